@@ -1,0 +1,1 @@
+"""Rank-0 bookkeeping: sequences, KV blocks, scheduling, step messages. Pure Python."""

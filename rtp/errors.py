@@ -1,0 +1,30 @@
+"""Exceptions raised by rtp.
+
+Every user-facing error derives from :class:`RtpError`. Errors caused by bad
+user input also derive from :class:`ValueError`, so callers that only know the
+standard library can still catch them.
+"""
+
+
+class RtpError(Exception):
+    """Base class of every error rtp raises on purpose."""
+
+
+class ConfigError(RtpError, ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+class ModelShapeError(RtpError, ValueError):
+    """The model's shape cannot be split over the requested tensor-parallel size."""
+
+
+class CheckpointError(RtpError):
+    """A checkpoint is missing a tensor, has an unexpected one, or a wrong shape."""
+
+
+class RequestError(RtpError, ValueError):
+    """A request can never be served (bad sampling parameters, prompt too long, ...)."""
+
+
+class WorkerDiedError(RtpError):
+    """A rank stopped answering or exited; the runtime cannot continue."""

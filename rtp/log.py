@@ -1,0 +1,43 @@
+"""Rank-aware logging: one logger per module, INFO on rank 0 only."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+_FORMAT = "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger of one module (``get_logger(__name__)``)."""
+    return logging.getLogger(name)
+
+
+def setup_logging(rank: int = 0, level: str = "INFO") -> None:
+    """Configure the ``rtp`` logger tree for this process.
+
+    Rank 0 logs at ``level``; other ranks log warnings and errors only, so a
+    run with eight ranks does not print everything eight times.
+    """
+    root = logging.getLogger("rtp")
+    effective = getattr(logging, level.upper()) if rank == 0 else max(logging.WARNING, getattr(logging, level.upper()))
+    root.setLevel(effective)
+    for handler in list(root.handlers):
+        if getattr(handler, "_rtp", False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler._rtp = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+    handler.addFilter(_RankFilter(rank))
+    root.addHandler(handler)
+    root.propagate = False
