@@ -1,0 +1,136 @@
+"""ParallelState: who this process is in the tensor-parallel world.
+
+Built once from torchrun's environment and passed to every constructor that
+needs it; layers never call ``dist.get_rank()`` or read the environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rtp.errors import ConfigError
+from rtp.log import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class ParallelState:
+    """Rank, world size, device and process groups of this process.
+
+    ``tp_group`` carries tensor collectives (NCCL on GPU, gloo on CPU);
+    ``cpu_group`` is always gloo and carries small control messages.
+    Tensor parallelism spans the whole world: ``tp_size == world_size``.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    tp_group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size
+
+    @property
+    def is_driver(self) -> bool:
+        """True on rank 0, the coordinator."""
+        return self.rank == 0
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> ParallelState:
+        """A world of one process, without torch.distributed (tests, TP=1 without torchrun)."""
+        return cls(rank=0, world_size=1, local_rank=0, device=torch.device(device))
+
+    @classmethod
+    def from_env(cls, device: str = "auto", timeout_s: float = 60.0) -> ParallelState:
+        """Initialise torch.distributed from torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*.
+
+        Without those variables this is a single-process world. ``device``:
+        "auto" picks ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
+        """
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return cls.single(resolve_device(device, 0))
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        dev = resolve_device(device, local_rank)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        tp_group = dist.group.WORLD
+        # A gloo group exists on GPU too, for control messages that must not
+        # queue behind (or deadlock with) NCCL kernels.
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else tp_group
+        logger.info("initialised %s world of %d ranks on %s", backend, world_size, dev)
+        return cls(rank, world_size, local_rank, dev, tp_group, cpu_group)
+
+    # Collectives. With one rank they are no-ops, so layers need no special case.
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the TP group, in place; returns ``x``."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def gather_to_driver(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate each rank's ``x`` along ``dim`` on rank 0; other ranks get None."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0, group=self.tp_group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def min_int(self, value: int) -> int:
+        """Minimum of an integer over all ranks (KV block counts)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def broadcast_object(self, obj: object) -> object:
+        """Send a small picklable object from rank 0 to every rank (startup only)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def destroy(self) -> None:
+        """Tear down the process groups (idempotent)."""
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    """Map a config device string to a torch.device for this local rank."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda was requested but CUDA is not available; use device: cpu or auto")
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                "lower --nproc-per-node or check CUDA_VISIBLE_DEVICES"
+            )
+        return torch.device("cuda", local_rank)
+    if device == "cpu":
+        return torch.device("cpu")
+    raise ConfigError(f"device={device!r} is invalid: expected auto, cpu or cuda")

@@ -1,0 +1,73 @@
+"""Write the new tokens' K and V into the paged KV cache.
+
+Cache layout (flash-attn's paged layout): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Token t goes to flat slot ``slot_mapping[t] = block_id * block_size + offset``;
+a slot of -1 means "do not store" (padding rows of a CUDA graph batch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency, but keep import-safe
+    triton = None
+
+
+def store_kv_reference(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Torch reference: ``cache.flat[slot] = kv`` for every slot >= 0."""
+    # key/value: [T, H, D]; caches: [B, S, H, D] viewed as [B*S, H, D]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(
+        key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_ptr, WIDTH: tl.constexpr
+    ):
+        # One program per token; WIDTH = num_kv_heads * head_dim contiguous elements.
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            cols = tl.arange(0, WIDTH)
+            k = tl.load(key_ptr + t * key_stride + cols)
+            v = tl.load(value_ptr + t * value_stride + cols)
+            tl.store(k_cache_ptr + slot * WIDTH + cols, k)
+            tl.store(v_cache_ptr + slot * WIDTH + cols, v)
+
+
+def store_kv_triton(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Triton version of :func:`store_kv_reference` (GPU, or CPU under TRITON_INTERPRET=1)."""
+    num_tokens, num_heads, head_dim = key.shape
+    width = num_heads * head_dim
+    # The kernel reads each token's heads as one contiguous row and needs a power-of-two width.
+    if key.stride(-1) != 1 or key.stride(1) != head_dim or value.stride(-1) != 1 or value.stride(1) != head_dim:
+        raise ValueError("store_kv_triton needs [T, H, D] tensors contiguous in their last two dims")
+    if width & (width - 1):
+        raise ValueError(f"store_kv_triton needs num_kv_heads * head_dim to be a power of two, got {width}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv_triton needs contiguous caches")
+    _store_kv_kernel[(num_tokens,)](
+        key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping, WIDTH=width
+    )
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store K/V into the paged cache: Triton on CUDA, the torch reference on CPU."""
+    width = key.shape[1] * key.shape[2]
+    if key.is_cuda and triton is not None and not (width & (width - 1)):
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)

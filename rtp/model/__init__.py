@@ -1,0 +1,1 @@
+"""Tensor-parallel Qwen3: layers, model, checkpoint loader."""

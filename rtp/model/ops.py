@@ -1,0 +1,89 @@
+"""Small elementwise building blocks: RMSNorm, SiLU-and-mul, rotary embedding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rtp.errors import ModelShapeError
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, computed in float32 (as HF does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class SiluAndMul(nn.Module):
+    """``silu(gate) * up`` where the input is ``[..., 2 * d]`` = gate ‖ up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale of the config's RoPE variant.
+
+    Works with both transformers 4 (``rope_theta``/``rope_scaling``) and 5
+    (``rope_parameters``). Static variants only: "dynamic" and "longrope"
+    change with the sequence length and are refused with a clear error.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        return inv_freq.float(), 1.0
+    if rope_type in ("dynamic", "longrope"):
+        raise ModelShapeError(
+            f"rope_type={rope_type!r} is not supported (it depends on the sequence length); "
+            "supported: default, linear, yarn, llama3"
+        )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelShapeError(f"unknown rope_type={rope_type!r}; supported: default, linear, yarn, llama3")
+    try:
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    except TypeError:  # transformers 5 dropped the device argument
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout, as HF Qwen3) with a cos/sin cache."""
+
+    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, scale: float) -> None:
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
+        # Registered as buffers so .to(device) moves them; not in the state dict.
+        self.register_buffer("cos", (freqs.cos() * scale), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scale), persistent=False)
+        self.max_positions = max_positions
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

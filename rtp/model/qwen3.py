@@ -1,0 +1,199 @@
+"""Qwen3ForCausalLM built from the tensor-parallel layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rtp.dist.parallel import ParallelState
+from rtp.errors import ModelShapeError
+from rtp.model.attention import AttnMetadata, PagedAttention
+from rtp.model.embedding import ParallelLMHead, VocabParallelEmbedding
+from rtp.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, divide
+from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, rope_inv_freq
+
+
+@dataclass(frozen=True)
+class Qwen3Spec:
+    """The shape of a Qwen3 checkpoint, read from its HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg) -> Qwen3Spec:  # noqa: ANN001 - a transformers PretrainedConfig
+        model_type = getattr(cfg, "model_type", None)
+        if model_type != "qwen3":
+            raise ModelShapeError(f"model_type={model_type!r} is not supported; rtp serves model_type 'qwen3'")
+        heads = cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=cfg.max_position_embeddings,
+            attention_bias=bool(getattr(cfg, "attention_bias", False)),
+        )
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ModelShapeError, naming the numbers, if this model cannot be split ``tp`` ways."""
+        divide(self.num_heads, tp, "num_attention_heads")
+        divide(self.intermediate_size, tp, "intermediate_size")
+        kv = self.num_kv_heads
+        if self.num_heads % kv:
+            raise ModelShapeError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={kv}")
+        if kv % tp and tp % kv:
+            raise ModelShapeError(
+                f"num_key_value_heads={kv} and tensor-parallel size {tp}: one must divide the other "
+                f"(KV heads are split when tp <= {kv} and replicated when tp is a multiple of {kv})"
+            )
+
+    def num_kv_heads_per_rank(self, tp: int) -> int:
+        return max(1, self.num_kv_heads // tp)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        d = spec.head_dim
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, d, spec.num_heads, spec.num_kv_heads, ps, spec.attention_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, ps, spec.attention_bias)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps)  # per-head norms: Qwen3's addition over Qwen2
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = self.q_norm(q.view(t, self.num_heads, d))  # [T, Hq, D]
+        k = self.k_norm(k.view(t, self.num_kv_heads, d))  # [T, Hkv, D]
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.view(t, self.num_kv_heads, d), meta)  # [T, Hq, D]
+        return self.o_proj(o.flatten(1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, spec: Qwen3Spec, ps: ParallelState) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2, ps)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, ps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Qwen3Attention(spec, ps, rotary)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = Qwen3MLP(spec, ps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, ps)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, ps, rotary) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Each rank's slice of Qwen3. ``forward`` gives hidden states; ``compute_logits`` gathers on rank 0."""
+
+    # checkpoint name fragment -> (parameter name fragment, shard id)
+    stacked = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, spec: Qwen3Spec, ps: ParallelState, hf_config, max_positions: int) -> None:  # noqa: ANN001
+        super().__init__()
+        spec.check_tp(ps.tp_size)
+        self.spec = spec
+        inv_freq, scale = rope_inv_freq(hf_config, spec.head_dim)
+        rotary = RotaryEmbedding(spec.head_dim, max_positions, inv_freq, scale)
+        self.model = Qwen3Model(spec, ps, rotary)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def checkpoint_shapes(self) -> dict[str, list[int]]:
+        """Full (unsharded) shape of every tensor the checkpoint must hold."""
+        s, d = self.spec, self.spec.head_dim
+        shapes = {"model.embed_tokens.weight": [s.vocab_size, s.hidden_size], "model.norm.weight": [s.hidden_size]}
+        if not s.tie_word_embeddings:
+            shapes["lm_head.weight"] = [s.vocab_size, s.hidden_size]
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            shapes |= {
+                p + "input_layernorm.weight": [s.hidden_size],
+                p + "post_attention_layernorm.weight": [s.hidden_size],
+                p + "self_attn.q_proj.weight": [s.num_heads * d, s.hidden_size],
+                p + "self_attn.k_proj.weight": [s.num_kv_heads * d, s.hidden_size],
+                p + "self_attn.v_proj.weight": [s.num_kv_heads * d, s.hidden_size],
+                p + "self_attn.o_proj.weight": [s.hidden_size, s.num_heads * d],
+                p + "self_attn.q_norm.weight": [d],
+                p + "self_attn.k_norm.weight": [d],
+                p + "mlp.gate_proj.weight": [s.intermediate_size, s.hidden_size],
+                p + "mlp.up_proj.weight": [s.intermediate_size, s.hidden_size],
+                p + "mlp.down_proj.weight": [s.hidden_size, s.intermediate_size],
+            }
+            if s.attention_bias:
+                shapes |= {
+                    p + "self_attn.q_proj.bias": [s.num_heads * d],
+                    p + "self_attn.k_proj.bias": [s.num_kv_heads * d],
+                    p + "self_attn.v_proj.bias": [s.num_kv_heads * d],
+                    p + "self_attn.o_proj.bias": [s.hidden_size],
+                }
+        return shapes
+
+    def param_for(self, name: str) -> tuple[str, object]:
+        """Map a checkpoint tensor name to (parameter name, shard id)."""
+        for frag, (target, shard) in self.stacked.items():
+            if f".{frag}." in name:
+                return name.replace(f".{frag}.", f".{target}."), shard
+        return name, None

@@ -1,0 +1,60 @@
+"""Size the paged KV cache (the MIN over ranks), allocate it, bind it to the layers."""
+
+from __future__ import annotations
+
+import torch
+
+from rtp.dist.parallel import ParallelState
+from rtp.log import get_logger
+from rtp.model.attention import PagedAttention
+
+logger = get_logger(__name__)
+
+
+def bytes_per_block(layers: list[PagedAttention], block_size: int, dtype: torch.dtype) -> int:
+    """KV bytes one block costs on this rank, over every layer (K and V)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in layers)
+
+
+def plan_num_blocks(
+    ps: ParallelState,
+    per_block: int,
+    *,
+    fixed: int | None,
+    cpu_cache_gib: float,
+    gpu_memory_utilization: float,
+    peak_bytes: int = 0,
+) -> int:
+    """How many KV blocks fit on every rank.
+
+    ``fixed`` (config ``num_kv_blocks``) wins; on CPU the budget is
+    ``cpu_cache_gib``; on GPU it is ``utilization * total - peak`` where peak
+    is the memory used by weights and a profiling forward pass. The result is
+    reduced with MIN over ranks, so no rank is asked to hold more than it can.
+    """
+    if fixed is not None:
+        local = fixed
+    elif ps.device.type == "cuda":
+        total = torch.cuda.get_device_properties(ps.device).total_memory
+        local = int((total * gpu_memory_utilization - peak_bytes) // per_block)
+    else:
+        local = int(cpu_cache_gib * 2**30 // per_block)
+    num_blocks = ps.min_int(local)
+    if num_blocks < 1:
+        raise RuntimeError(
+            f"no room for the KV cache: {local} blocks of {per_block} bytes fit on rank {ps.rank}; "
+            "raise gpu_memory_utilization / cpu_kv_cache_gib, or use more ranks"
+        )
+    logger.info("KV cache: %d blocks of %.1f KiB per rank (local estimate %d)", num_blocks, per_block / 1024, local)
+    return num_blocks
+
+
+def allocate_kv_cache(
+    layers: list[PagedAttention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Give each attention layer its cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V."""
+    for attn in layers:
+        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)

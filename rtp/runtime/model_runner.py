@@ -1,0 +1,210 @@
+"""StepPlan -> tensors -> forward -> logits on rank 0. CUDA graphs for decode on GPU."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from rtp.core.step import StepPlan
+from rtp.dist.parallel import ParallelState
+from rtp.errors import ConfigError
+from rtp.log import get_logger
+from rtp.model.attention import AttnMetadata, flash_attn_available
+from rtp.model.loader import LoadReport, load_weights
+from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
+from rtp.runtime.batch import BatchInputs, BatchMirror
+from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
+
+logger = get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is bfloat16 on GPU and float32 on CPU (bf16 matmul is very slow on CPUs)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Build parameters directly in ``dtype`` (restored afterwards)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    model_dir: str | Path, ps: ParallelState, dtype: torch.dtype, max_positions: int | None = None
+) -> tuple[Qwen3ForCausalLM, LoadReport]:
+    """Build this rank's slice of the model on its device and load the weights."""
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    spec = Qwen3Spec.from_hf(hf_config)
+    spec.check_tp(ps.tp_size)
+    with _default_dtype(dtype), torch.device(ps.device):
+        model = Qwen3ForCausalLM(spec, ps, hf_config, max(max_positions or 0, spec.max_position_embeddings))
+    report = load_weights(model, model_dir)
+    return model.eval(), report
+
+
+class ModelRunner:
+    """Owns this rank's model slice, KV cache and batch mirror; runs one step per plan."""
+
+    def __init__(
+        self,
+        ps: ParallelState,
+        model_dir: str | Path,
+        *,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 8192,
+        num_kv_blocks: int | None = None,
+        cpu_kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = True,
+        cuda_graph_max_batch: int = 256,
+    ) -> None:
+        self.ps = ps
+        self.dtype = resolve_dtype(dtype, ps.device)
+        use_flash = ps.device.type == "cuda" and flash_attn_available()
+        if use_flash and block_size % 256:
+            raise ConfigError(f"block_size={block_size} is invalid with flash-attn: paged KV needs a multiple of 256")
+        if ps.device.type == "cuda" and not use_flash:
+            logger.warning("flash-attn is not installed: using the (slow) torch attention on GPU")
+        self.model, self.load_report = load_model(model_dir, ps, self.dtype, max_model_len)
+        self.spec = self.model.spec
+        self.max_model_len = max_model_len or self.spec.max_position_embeddings
+        self.block_size = block_size
+        layers = self.model.attention_layers()
+        peak = 0
+        if ps.device.type == "cuda" and num_kv_blocks is None:
+            peak = self._profile_peak(max_num_batched_tokens)
+        per_block = bytes_per_block(layers, block_size, self.dtype)
+        self.num_blocks = plan_num_blocks(
+            ps, per_block, fixed=num_kv_blocks, cpu_cache_gib=cpu_kv_cache_gib,
+            gpu_memory_utilization=gpu_memory_utilization, peak_bytes=peak,
+        )
+        allocate_kv_cache(layers, self.num_blocks, block_size, self.dtype, ps.device)
+        self.mirror = BatchMirror(block_size)
+        self.graphs: CudaGraphs | None = None
+        if use_flash and not enforce_eager:
+            max_blocks = -(-self.max_model_len // block_size)
+            self.graphs = CudaGraphs(self.model, ps.device, cuda_graph_max_batch, max_blocks, self.spec.hidden_size, self.dtype)
+
+    @torch.inference_mode()
+    def _profile_peak(self, num_tokens: int) -> int:
+        """Peak GPU memory of a forward pass over ``num_tokens`` tokens, without a KV cache."""
+        torch.cuda.reset_peak_memory_stats(self.ps.device)
+        n = min(num_tokens, self.spec.max_position_embeddings)
+        ids = torch.zeros(n, dtype=torch.long, device=self.ps.device)
+        pos = torch.arange(n, device=self.ps.device)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=self.ps.device)
+        meta = AttnMetadata(pos.clone(), cu, cu, cu[1:], None, n, n, [n], [n])
+        hidden = self.model(ids, pos, meta)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.ps.device)
+        peak = torch.cuda.max_memory_allocated(self.ps.device)
+        torch.cuda.empty_cache()
+        return peak
+
+    def to_device(self, batch: BatchInputs) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
+        """Host arrays -> device tensors and attention metadata."""
+        dev = self.ps.device
+        q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
+        k_lens = torch.tensor(batch.k_lens, dtype=torch.int32)
+        cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        cu_k = torch.zeros(len(k_lens) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=cu_q[1:])
+        torch.cumsum(k_lens, 0, out=cu_k[1:])
+        meta = AttnMetadata(
+            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev, non_blocking=True),
+            cu_seqlens_q=cu_q.to(dev, non_blocking=True),
+            cu_seqlens_k=cu_k.to(dev, non_blocking=True),
+            context_lens=k_lens.to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(batch.block_tables).to(dev, non_blocking=True),
+            max_seqlen_q=max(batch.q_lens),
+            max_seqlen_k=max(batch.k_lens),
+            q_lens=batch.q_lens,
+            k_lens=batch.k_lens,
+        )
+        ids = torch.from_numpy(batch.input_ids).to(dev, non_blocking=True)
+        pos = torch.from_numpy(batch.positions).to(dev, non_blocking=True)
+        return ids, pos, meta
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run one step. Returns float32 logits ``[num_samples, vocab]`` on rank 0, None elsewhere."""
+        batch = self.mirror.apply(plan)
+        if batch.num_tokens == 0:
+            return None
+        ids, pos, meta = self.to_device(batch)
+        if self.graphs is not None and meta.decode_only and self.graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
+            hidden = self.graphs.run(ids, pos, meta)
+        else:
+            hidden = self.model(ids, pos, meta)  # [T, hidden]
+        sample_idx = torch.from_numpy(batch.sample_indices).to(self.ps.device)
+        logits = self.model.compute_logits(hidden[sample_idx])
+        return logits.float() if logits is not None else None
+
+
+class CudaGraphs:
+    """Decode-step CUDA graphs, one per padded batch size, sharing one memory pool.
+
+    Padded rows get slot -1 (their K/V is not stored) and context length 1 on
+    block 0; their outputs are discarded.
+    """
+
+    def __init__(
+        self, model: Qwen3ForCausalLM, device: torch.device, max_batch: int, max_blocks: int, hidden: int, dtype: torch.dtype
+    ) -> None:
+        self.model, self.device = model, device
+        self.sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_batch + 1, 16)] if s <= max_batch})
+        self.max_blocks = max_blocks
+        n = self.sizes[-1]
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.pos = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.ctx = torch.ones(n, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.out = torch.zeros(n, hidden, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = None
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):  # largest first so smaller graphs reuse its pool
+                meta = self._meta(bs)
+                self.out[:bs] = model(self.ids[:bs], self.pos[:bs], meta)  # warm-up (triton autotune, allocator)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    self.out[:bs] = model(self.ids[:bs], self.pos[:bs], meta)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs] = graph
+        torch.cuda.synchronize(device)
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d)", len(self.graphs), n)
+
+    def _meta(self, bs: int) -> AttnMetadata:
+        cu = torch.arange(bs + 1, dtype=torch.int32, device=self.device)
+        return AttnMetadata(self.slots[:bs], cu, cu, self.ctx[:bs], self.tables[:bs], 1, 1, [1] * bs, [1] * bs)
+
+    def fits(self, batch_size: int, num_blocks: int) -> bool:
+        return batch_size <= self.sizes[-1] and num_blocks <= self.max_blocks
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        b = ids.shape[0]
+        bs = next(s for s in self.sizes if s >= b)
+        self.ids[:b], self.pos[:b], self.slots[:b] = ids, pos, meta.slot_mapping
+        self.slots[b:bs] = -1
+        self.ctx[:b] = meta.context_lens
+        self.ctx[b:bs] = 1
+        self.tables[:b].zero_()
+        self.tables[:b, : meta.block_tables.shape[1]] = meta.block_tables
+        self.tables[b:bs] = 0
+        self.graphs[bs].replay()
+        return self.out[:b]
