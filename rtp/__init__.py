@@ -1,1 +1,75 @@
-"""rtp."""
+"""rtp: a small multi-process tensor-parallel inference runtime for Qwen3.
+
+Run under ``torchrun --nproc-per-node N``. ``rtp.init()`` returns on rank 0
+only; worker ranks serve steps inside it and exit the process when rank 0
+calls ``rtp.shutdown()`` (or exits). The module keeps the one current runtime
+so that ``rtp.generate`` works like vLLM's offline API; ``init`` also returns
+it for explicit use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from rtp.config import RtpConfig, default_config_path, load_config
+from rtp.errors import RtpError
+from rtp.runtime.engine import RequestOutput
+from rtp.sampling import SamplingParams
+
+__all__ = ["init", "generate", "generate_stream", "shutdown", "SamplingParams", "RequestOutput", "RtpError"]
+
+_current = None  # the Runtime returned by init(), until shutdown()
+
+
+def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # noqa: ANN201 - Runtime
+    """Start the runtime on this rank; rank 0 gets a Runtime, other ranks never return.
+
+    ``config`` is an RtpConfig, a YAML path, or None for ``configs/cpu.yaml``;
+    keyword ``overrides`` replace top-level keys (None values are ignored).
+    """
+    global _current
+    from rtp.runtime.coordinator import start
+    from rtp.testing import default_model_dir
+
+    if _current is not None:
+        raise RtpError("rtp.init() was already called; call rtp.shutdown() first")
+    if not isinstance(config, RtpConfig):
+        config = load_config(config if config is not None else default_config_path(), **overrides)
+    elif overrides:
+        config = load_config(None, **{**_as_dict(config), **overrides})
+    model_dir = Path(config.model) if config.model else default_model_dir()
+    _current = start(config, model_dir)
+    return _current
+
+
+def _as_dict(config: RtpConfig) -> dict:
+    import dataclasses
+
+    d = dataclasses.asdict(config)
+    return d
+
+
+def _runtime():  # noqa: ANN202
+    if _current is None:
+        raise RtpError("call rtp.init() first")
+    return _current
+
+
+def generate(prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:  # noqa: ANN001
+    """Generate for a string, a token-id list, or a list of either; outputs in prompt order."""
+    return _runtime().generate(prompts, sampling_params, use_tqdm)
+
+
+def generate_stream(prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    """Stream one request: yields its output after each step that changed it."""
+    return _runtime().generate_stream(prompt, sampling_params)
+
+
+def shutdown() -> None:
+    """Stop the workers and release everything. Safe to call twice."""
+    global _current
+    if _current is not None:
+        _current.shutdown()
+        _current = None

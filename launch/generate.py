@@ -1,0 +1,88 @@
+"""Offline batch generation: JSONL prompts in, JSONL completions out.
+
+    torchrun --standalone --nproc-per-node 2 launch/generate.py --config configs/cpu.yaml \
+        --prompts-file prompts.jsonl --output out.jsonl
+
+Each input line is {"prompt": "..."} or {"prompt_token_ids": [...]}, plus any
+SamplingParams field (temperature, max_tokens, stop, seed, ...). Without
+--prompts-file a few built-in prompts are generated and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import rtp  # noqa: E402
+from rtp.errors import RtpError  # noqa: E402
+
+DEMO_PROMPTS = ["The quick brown fox", "Once upon a time", "What time is it?", "One, two, three,"]
+PARAM_FIELDS = {f.name for f in dataclasses.fields(rtp.SamplingParams) if f.init}
+
+
+def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams]]:
+    """Parse the JSONL file; raise RtpError naming the line of the first bad entry."""
+    prompts, params = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                if not isinstance(item, dict):
+                    raise ValueError("expected a JSON object")
+                if ("prompt" in item) == ("prompt_token_ids" in item):
+                    raise ValueError('give exactly one of "prompt" or "prompt_token_ids"')
+                prompt = item.pop("prompt", None) or item.pop("prompt_token_ids")
+                unknown = set(item) - PARAM_FIELDS
+                if unknown:
+                    raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(PARAM_FIELDS)}")
+                params.append(rtp.SamplingParams(**item))
+                prompts.append(prompt)
+            except (ValueError, TypeError) as e:
+                raise RtpError(f"{path}:{lineno}: {e}") from None
+    return prompts, params
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML config (default: configs/cpu.yaml)")
+    ap.add_argument("--model", help="HF Qwen3 checkpoint folder (overrides the config)")
+    ap.add_argument("--prompts-file", help="JSONL input")
+    ap.add_argument("--output", help="JSONL output (default: print)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="max_tokens for the built-in demo prompts")
+    args = ap.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        if args.prompts_file:
+            prompts, params = read_requests(args.prompts_file)
+        else:
+            prompts = DEMO_PROMPTS
+            params = [rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(prompts)
+        rtp.init(args.config, model=args.model)  # worker ranks serve inside init() and exit there
+        outputs = rtp.generate(prompts, params)
+    except RtpError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        rtp.shutdown()
+    lines = [json.dumps({"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
+                         **({"logprobs": o.logprobs} if o.logprobs is not None else {})}) for o in outputs]
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+        print(f"wrote {len(lines)} completions to {args.output}")
+    else:
+        for prompt, o in zip(prompts, outputs):
+            print(f"{prompt!r} -> {o.text!r} ({o.finish_reason})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

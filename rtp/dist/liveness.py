@@ -1,0 +1,61 @@
+"""Peer-death detection: a watchdog thread that notices a rank's process is gone.
+
+Collectives and the shm channel can block forever when a peer dies, so each
+rank runs a watchdog that polls its peers' pids (all ranks of one node). When
+a watched peer is gone, ``on_dead(rank, pid)`` runs; it must end the process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+from rtp.log import get_logger
+
+logger = get_logger(__name__)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a killed child not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill(0)
+
+
+class Watchdog:
+    """Polls ``peers`` (rank -> pid) every ``interval_s`` on a daemon thread."""
+
+    def __init__(self, peers: dict[int, int], on_dead: Callable[[int, int], None], interval_s: float = 0.25) -> None:
+        self.peers = dict(peers)
+        self.on_dead = on_dead
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rtp-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (a clean shutdown is under way: peers exiting is expected)."""
+        self._stop.set()
+
+    def dead_peers(self) -> list[tuple[int, int]]:
+        return [(rank, pid) for rank, pid in self.peers.items() if not pid_alive(pid)]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            dead = self.dead_peers()
+            if dead and not self._stop.is_set():
+                self.on_dead(*dead[0])
+                return

@@ -1,0 +1,205 @@
+"""Start the runtime on every rank; rank 0 gets a Runtime, the others serve steps and exit.
+
+Rank 0 runs schedule -> channel.write(encode(plan)) -> execute -> sample ->
+postprocess (see Engine). Ranks > 0 run read -> decode -> execute (see
+worker.py). A watchdog on every rank turns a dead peer into a prompt, logged
+exit instead of a hang in a collective; the shm segment is unlinked on every
+exit path (normal, exception, SIGTERM/SIGINT, peer death).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from rtp.config import RtpConfig, resolve_tp_size
+from rtp.core.step import StepKind, StepPlan, encode
+from rtp.dist.liveness import Watchdog
+from rtp.dist.parallel import ParallelState
+from rtp.dist.shm_channel import ShmChannel, cleanup_stale_segments, make_channel_name
+from rtp.errors import WorkerDiedError
+from rtp.log import get_logger, setup_logging
+from rtp.runtime.engine import Engine, RequestOutput
+from rtp.runtime.model_runner import ModelRunner
+from rtp.runtime.worker import run_worker
+from rtp.sampling import SamplingParams
+
+logger = get_logger(__name__)
+
+
+class Runtime:
+    """Rank 0's handle on the running world: the engine, the channel, the watchdog."""
+
+    def __init__(self, config: RtpConfig, ps: ParallelState, engine: Engine, channel: ShmChannel | None,
+                 peers: dict[int, int]) -> None:
+        self.config, self.ps, self.engine, self.channel = config, ps, engine, channel
+        self.closed = False
+        self.dead_rank: int | None = None
+        self.on_failure: list[Callable[[str], None]] = []  # the server hooks in to fail its clients
+        self._watchdog = Watchdog(peers, self._peer_died).start() if peers else None
+
+    # ---- step transport and liveness ----
+
+    def send(self, plan: StepPlan) -> None:
+        """Broadcast a plan to the workers (before rank 0 runs it)."""
+        if self.channel is None:
+            return
+        self.channel.write(encode(plan), timeout=self.config.liveness_timeout_s, should_abort=self._dead)
+
+    def _dead(self) -> bool:
+        return self.dead_rank is not None
+
+    def _peer_died(self, rank: int, pid: int) -> None:
+        self.dead_rank = rank
+        msg = f"rank {rank} (pid {pid}) died; the runtime cannot continue"
+        logger.error(msg)
+        for hook in self.on_failure:
+            try:
+                hook(msg)
+            except Exception:  # noqa: BLE001 - failing clients must not stop the exit
+                logger.exception("failure hook raised")
+        self._unlink()
+        # The main thread may be blocked in a collective with the dead rank: leave now,
+        # within the liveness bound, rather than wait for a collective timeout.
+        threading.Timer(1.0, os._exit, args=(1,)).start()
+
+    def check_alive(self) -> None:
+        if self.dead_rank is not None:
+            raise WorkerDiedError(f"rank {self.dead_rank} died; the runtime cannot continue")
+
+    # ---- offline API ----
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for a batch; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, list):
+            raise TypeError("prompts must be a string, a list of token ids, or a list of either")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        last = (time.perf_counter(), self.engine.stats())
+        while len(done) < len(ids):
+            self.check_alive()
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+            now, stats = time.perf_counter(), self.engine.stats()
+            if use_tqdm and now - last[0] > 0.5:
+                dt = now - last[0]
+                prefill = (stats["num_prefill_tokens_computed"] - last[1]["num_prefill_tokens_computed"]) / dt
+                decode = (stats["num_decode_tokens"] - last[1]["num_decode_tokens"]) / dt
+                bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s")
+                last = (now, stats)
+        bar.close()
+        return [done[i] for i in ids]
+
+    def generate_stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+                        ) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that changed it, until it finishes."""
+        rid = self.engine.add_request(prompt, sampling_params)
+        while True:
+            self.check_alive()
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    # ---- teardown ----
+
+    def _unlink(self) -> None:
+        if self.channel is not None:
+            self.channel.unlink()
+
+    def shutdown(self) -> None:
+        """Tell the workers to exit, then release the channel and the process group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        try:
+            if self.channel is not None and self.dead_rank is None:
+                self.send(StepPlan(kind=StepKind.SHUTDOWN))
+        except Exception as e:  # noqa: BLE001 - best effort: a worker may already be gone
+            logger.warning("could not send shutdown to the workers: %s", e)
+        finally:
+            self._unlink()
+            if self.channel is not None:
+                self.channel.close()
+            self.ps.destroy()
+        logger.info("shut down")
+
+
+def start(config: RtpConfig, model_dir: Path) -> Runtime:
+    """Bring up this rank. Rank 0 returns its Runtime; other ranks serve and exit the process."""
+    ps = ParallelState.from_env(config.device, timeout_s=max(config.liveness_timeout_s, 60.0))
+    setup_logging(ps.rank, config.log_level)
+    resolve_tp_size(config, ps.world_size)
+    runner = ModelRunner(
+        ps, model_dir, dtype=config.dtype, block_size=config.block_size, max_model_len=config.max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=config.num_kv_blocks,
+        cpu_kv_cache_gib=config.cpu_kv_cache_gib, gpu_memory_utilization=config.gpu_memory_utilization,
+        enforce_eager=config.enforce_eager, cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+    )
+    if ps.world_size == 1:
+        runtime = Runtime(config, ps, Engine(config, runner, model_dir), None, {})
+        _install_exit_handlers(runtime)
+        return runtime
+    pids = [None] * ps.world_size
+    dist.all_gather_object(pids, os.getpid(), group=ps.cpu_group)
+    if ps.rank == 0:
+        for name in cleanup_stale_segments():
+            logger.warning("removed a shared-memory segment left by a dead run: %s", name)
+        channel = ShmChannel.create(
+            make_channel_name(), ps.world_size - 1, config.shm_chunk_bytes, config.shm_num_chunks
+        )
+        try:
+            ps.broadcast_object(channel.name)
+            runtime = Runtime(config, ps, None, channel, {r: pids[r] for r in range(1, ps.world_size)})  # type: ignore[arg-type]
+            _install_exit_handlers(runtime)
+            runtime.engine = Engine(config, runner, model_dir, transport=runtime.send)
+        except BaseException:
+            channel.unlink()
+            raise
+        return runtime
+    name = ps.broadcast_object(None)
+    run_worker(ps, runner, name, pids[0], config.liveness_timeout_s)
+    ps.destroy()
+    sys.exit(0)
+
+
+def _install_exit_handlers(runtime: Runtime) -> None:
+    """Unlink the segment and stop the workers on normal exit, SIGTERM and SIGINT."""
+    atexit.register(runtime.shutdown)
+
+    def on_signal(signum: int, frame) -> None:  # noqa: ANN001
+        logger.info("received %s: shutting down", signal.Signals(signum).name)
+        # Unwind the main thread (generate loop or server) so finally-blocks run.
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)

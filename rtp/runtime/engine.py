@@ -1,0 +1,246 @@
+"""The rank-0 engine: requests in, scheduler -> broadcast -> forward -> sample -> outputs.
+
+Only rank 0 has an Engine. ``transport`` sends each StepPlan to the worker
+ranks before rank 0 runs the same plan itself; with one rank it does nothing.
+``add_request`` and ``abort`` may be called from any thread; ``step`` is called
+by one thread at a time (the caller of ``generate``, or the server's engine thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from rtp.config import RtpConfig
+from rtp.core.scheduler import Scheduler, SchedulerConfig
+from rtp.core.sequence import Sequence
+from rtp.core.step import StepPlan
+from rtp.errors import RequestError
+from rtp.log import get_logger
+from rtp.runtime.detokenizer import IncrementalDetokenizer
+from rtp.runtime.model_runner import ModelRunner
+from rtp.runtime.sampler import SampleRow, Sampler
+from rtp.sampling import SamplingParams
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step (cumulative), plus what this step added."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    new_text: str = ""  # text added by the last step (streaming)
+    new_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    error: str | None = None  # set when the runtime failed underneath the request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    out: RequestOutput
+
+
+def load_eos_ids(model_dir: Path, tokenizer) -> list[int]:  # noqa: ANN001
+    """EOS ids from generation_config.json (may be a list) and the tokenizer."""
+    ids: set[int] = set()
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class Engine:
+    """Scheduler, sampler and detokenizer around rank 0's ModelRunner."""
+
+    def __init__(
+        self, config: RtpConfig, runner: ModelRunner, model_dir: Path,
+        transport: Callable[[StepPlan], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.model_dir = model_dir
+        self.transport = transport or (lambda plan: None)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.eos_token_ids = load_eos_ids(model_dir, self.tokenizer)
+        self.max_model_len = runner.max_model_len
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                block_size=config.block_size,
+                num_blocks=runner.num_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ),
+            self.eos_token_ids,
+        )
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self._seq_ids = itertools.count()
+        self._requests: dict[str, _Request] = {}  # by request id, owned by the stepping thread
+        self._lock = threading.Lock()  # guards the two inboxes below
+        self._new: list[_Request] = []
+        self._aborts: list[str] = []
+        self._live_ids: set[str] = set()  # ids submitted and not yet finished (any thread)
+        self.vocab_size = len(self.tokenizer)
+
+    # ---- submission (any thread) ----
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt given as text or ids, validated."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.runner.spec.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is out of range: the vocabulary has {self.runner.spec.vocab_size} ids")
+        return ids
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. Raises RequestError if it can never be served."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        seq = Sequence(next(self._seq_ids), ids, params, arrival_time=time.time())
+        self.scheduler.validate(seq)  # pure checks (length, cache size): reject now, not after queueing
+        request_id = request_id or f"req-{seq.seq_id}"
+        with self._lock:
+            if request_id in self._live_ids:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            self._live_ids.add(request_id)
+        req = _Request(
+            seq,
+            IncrementalDetokenizer(self.tokenizer, ids, params),
+            RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids, arrival_time=seq.arrival_time,
+                          logprobs=[] if params.logprobs is not None else None),
+        )
+        with self._lock:
+            self._new.append(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (from any thread); its blocks are freed at the next step."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live_ids)
+
+    # ---- stepping (one thread) ----
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        finished = []
+        for req in new:
+            try:
+                self.scheduler.add(req.seq)
+            except RequestError as e:
+                req.out.finish_reason, req.out.error = "abort", str(e)
+                finished.append(self._finish(req))
+                continue
+            self._requests[req.out.request_id] = req
+        for rid in aborts:
+            req = self._requests.get(rid)
+            if req is not None and not req.out.finished:
+                self.scheduler.abort(req.seq.seq_id)
+                req.out.finish_reason = "abort"
+                finished.append(self._finish(req))
+        return finished
+
+    def _finish(self, req: _Request) -> RequestOutput:
+        req.out.finish_time = time.time()
+        self._requests.pop(req.out.request_id, None)
+        with self._lock:
+            self._live_ids.discard(req.out.request_id)
+        return req.out
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of requests that changed."""
+        changed = self._drain_inbox()
+        result = self.scheduler.schedule()
+        plan = result.plan
+        if not plan.new_seqs and not plan.cached_seqs and not plan.freed_seq_ids:
+            return changed
+        self.transport(plan)
+        logits = self.runner.execute(plan)
+        to_sample = [s for s in result.scheduled if s.needs_sample]
+        tokens: list[int] = []
+        logprobs: list = []
+        if to_sample:
+            rows = [SampleRow(s.seq.params, s.seq.num_completion_tokens) for s in to_sample]
+            sampled = self.sampler.sample(logits, rows)
+            tokens, logprobs = sampled.token_ids, sampled.logprobs
+        self.scheduler.postprocess(result, tokens)
+        now = time.time()
+        by_seq = {req.seq.seq_id: req for req in self._requests.values()}
+        for s, token, lp in zip(to_sample, tokens, logprobs):
+            req = by_seq[s.seq.seq_id]
+            out = req.out
+            out.new_token_ids = [token]
+            out.token_ids.append(token)
+            if out.logprobs is not None:
+                out.logprobs.append(lp)
+            if out.first_token_time is None:
+                out.first_token_time = now
+            stopped_by_token = s.seq.is_finished and s.seq.finish_reason == "stop"
+            delta = ""
+            if not stopped_by_token:
+                delta, stopped = req.detok.add(token)
+                if stopped and not s.seq.is_finished:
+                    self.scheduler.finish(s.seq.seq_id, "stop")
+            if s.seq.is_finished:
+                delta += req.detok.flush()
+                out.finish_reason = s.seq.finish_reason
+                out.num_cached_tokens = s.seq.num_cached_tokens
+            out.new_text = delta
+            out.text = req.detok.text
+            changed.append(self._finish(req) if out.finished else out)
+        return changed
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every live request with an error (a rank died); returns their outputs."""
+        self._drain_inbox()
+        outs = []
+        for req in list(self._requests.values()):
+            req.out.finish_reason, req.out.error = "abort", message
+            outs.append(self._finish(req))
+        return outs
+
+    def stats(self) -> dict[str, float]:
+        """Scheduler counters for logs, progress bars and metrics."""
+        s = self.scheduler.stats
+        return dict(vars(s)) if not isinstance(s, dict) else s
