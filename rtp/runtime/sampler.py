@@ -1,0 +1,266 @@
+"""Token sampling on rank 0: greedy, temperature, top-k, top-p, min-p and per-request seeds.
+
+Every step runs as a handful of batched tensor ops on the logits' device. The
+filters apply in a fixed order:
+
+    temperature -> top-k -> top-p -> min-p
+
+* top-k keeps every token whose (scaled) logit is >= the k-th largest one, so
+  tokens tied with the k-th are all kept and the result never depends on how a
+  sort orders equal values.
+* top-p works on the distribution renormalised over the top-k survivors. It
+  keeps the smallest set of most likely tokens whose probability sum reaches
+  top_p, the boundary token included; tokens tied with the last kept one are
+  kept too. The most likely token is always kept.
+* min-p drops tokens whose probability is below ``min_p`` times the largest
+  one (a ratio, so it does not matter that top-p removed some mass first).
+
+Sampling uses the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)``
+per token is an exact draw from ``probs``. This turns randomness into a noise
+tensor that can be produced per row: a seeded request draws its noise from a
+generator seeded with a hash of (seed, tokens generated so far), so its tokens
+do not depend on what else is in the batch, on its row index or on earlier
+calls. Unseeded rows share the sampler's own generator. The global torch RNG is
+never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from rtp.log import get_logger
+from rtp.sampling import SamplingParams
+
+logger = get_logger(__name__)
+
+# Temperatures below this are treated as greedy: dividing by them would overflow
+# the scaled logits without changing the outcome in any meaningful way.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know of one sequence in the batch."""
+
+    params: SamplingParams
+    num_generated: int
+    """Tokens already generated for this sequence, before this step."""
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled token of every row and, where asked for, its log-probabilities."""
+
+    token_ids: list[int]
+    """One sampled token per row."""
+    logprobs: list[dict[int, float] | None]
+    """Per row: None when ``params.logprobs`` is None, else ``{token_id: logprob}``
+    for the top ``params.logprobs`` tokens and the sampled token, computed from
+    the raw logits (before temperature, filters and min_tokens masking)."""
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The 64-bit generator seed a request with ``seed`` uses at generation step ``step``.
+
+    A hash rather than arithmetic so that nearby (seed, step) pairs never
+    collide, e.g. (1, 0) and (0, 1).
+    """
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """True when the sampler takes the argmax for these parameters."""
+    return params.temperature < _GREEDY_EPS
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperatures: list[float],
+    top_ks: list[int],
+    top_ps: list[float],
+    min_ps: list[float],
+) -> torch.Tensor:
+    """Scale ``logits`` by temperature and set every token the filters drop to -inf.
+
+    ``logits`` is ``[num_rows, vocab]``; the lists hold one value per row.
+    Temperatures must be > 0; a top_k of -1, 0 or >= vocab disables top-k. The
+    input is not modified. See the module docstring for the exact semantics.
+    """
+    num_rows, vocab = logits.shape
+    device = logits.device
+    neg_inf = float("-inf")
+
+    temps = torch.tensor(temperatures, dtype=torch.float32, device=device)
+    x = logits / temps[:, None]  # [num_rows, vocab]
+
+    ks = [k if 0 < k < vocab else vocab for k in top_ks]
+    if any(k < vocab for k in ks):
+        max_k = max(k for k in ks if k < vocab)
+        # The max_k largest logits of every row, descending: [num_rows, max_k].
+        top_vals = torch.topk(x, max_k, dim=-1).values
+        kth_idx = torch.tensor([min(k, max_k) - 1 for k in ks], device=device)[:, None]
+        kth = top_vals.gather(1, kth_idx)  # [num_rows, 1]
+        off = torch.tensor([k >= vocab for k in ks], device=device)[:, None]
+        kth = kth.masked_fill(off, neg_inf)
+        x = x.masked_fill(x < kth, neg_inf)
+
+    if any(p < 1.0 for p in top_ps):
+        probs = torch.softmax(x, dim=-1)  # renormalised over the top-k survivors
+        sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+        # Mass of the tokens sorted before each one (exclusive cumsum). A token
+        # is needed while that mass is still below top_p; this keeps the
+        # boundary token that makes the sum reach top_p.
+        cum = sorted_probs.cumsum(dim=-1)
+        before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+        top_p = torch.tensor(top_ps, dtype=torch.float32, device=device)[:, None]
+        num_keep = (before < top_p).sum(dim=-1, keepdim=True).clamp_min(1)  # [num_rows, 1]
+        # Keep by threshold so that tokens tied with the boundary token stay.
+        threshold = sorted_probs.gather(1, num_keep - 1)
+        threshold = threshold.masked_fill(top_p >= 1.0, 0.0)
+        x = x.masked_fill(probs < threshold, neg_inf)
+
+    if any(m > 0.0 for m in min_ps):
+        probs = torch.softmax(x, dim=-1)
+        min_p = torch.tensor(min_ps, dtype=torch.float32, device=device)[:, None]
+        threshold = min_p * probs.amax(dim=-1, keepdim=True)  # [num_rows, 1]
+        x = x.masked_fill(probs < threshold, neg_inf)
+
+    return x
+
+
+class Sampler:
+    """Turns a batch of logits into one token per row (runs on rank 0 only).
+
+    ``eos_token_ids`` are suppressed, together with each request's
+    ``stop_token_ids``, while a sequence has generated fewer than
+    ``min_tokens`` tokens. ``seed`` seeds the generator of unseeded rows.
+    """
+
+    def __init__(self, eos_token_ids: list[int], seed: int = 0) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.seed = seed
+        # One generator per device for unseeded rows (a stream seeded once), and
+        # one per device that seeded rows reseed before every draw.
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._seeded_generators: dict[torch.device, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        """Sample one token for each row of ``logits`` ([num_rows, vocab], float)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        raw = logits.float()  # no copy when already float32; never modified in place
+        x = self._mask_min_tokens(raw, rows)
+
+        greedy = [is_greedy(r.params) for r in rows]
+        if all(greedy):
+            tokens = x.argmax(dim=-1)
+        else:
+            tokens = self._sample_random(x, rows, greedy)
+
+        token_list = tokens.tolist()
+        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, rows, tokens, token_list))
+
+    def _mask_min_tokens(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Set EOS and stop tokens to -inf in rows that have not reached min_tokens."""
+        vocab = x.shape[1]
+        row_idx: list[int] = []
+        col_idx: list[int] = []
+        for i, row in enumerate(rows):
+            if row.num_generated >= row.params.min_tokens:
+                continue
+            banned = {t for t in (*self.eos_token_ids, *row.params.stop_token_ids) if t < vocab}
+            row_idx.extend([i] * len(banned))
+            col_idx.extend(banned)
+        if not row_idx:
+            return x
+        mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)  # [num_rows, vocab]
+        mask[torch.tensor(row_idx, device=x.device), torch.tensor(col_idx, device=x.device)] = True
+        masked = x.masked_fill(mask, float("-inf"))
+        # A row whose every token would be banned keeps its logits: emitting a
+        # banned token beats sampling from an empty distribution.
+        alive = (masked > float("-inf")).any(dim=-1, keepdim=True)
+        return torch.where(alive, masked, x)
+
+    def _sample_random(self, x: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
+        """Tokens of a batch with at least one non-greedy row; greedy rows take the argmax."""
+        params = [r.params for r in rows]
+        # Greedy rows get neutral filter values so they do not trigger extra work.
+        filtered = filter_logits(
+            x,
+            temperatures=[1.0 if g else p.temperature for g, p in zip(greedy, params)],
+            top_ks=[-1 if g else p.top_k for g, p in zip(greedy, params)],
+            top_ps=[1.0 if g else p.top_p for g, p in zip(greedy, params)],
+            min_ps=[0.0 if g else p.min_p for g, p in zip(greedy, params)],
+        )
+        probs = torch.softmax(filtered, dim=-1)  # [num_rows, vocab]
+        noise = self._exponential_noise(rows, greedy, x.shape[1], x.device)
+        sampled = (probs / noise).argmax(dim=-1)  # exponential race: an exact draw from probs
+        if any(greedy):
+            greedy_mask = torch.tensor(greedy, device=x.device)
+            sampled = torch.where(greedy_mask, x.argmax(dim=-1), sampled)
+        return sampled
+
+    def _exponential_noise(
+        self, rows: list[SampleRow], greedy: list[bool], vocab: int, device: torch.device
+    ) -> torch.Tensor:
+        """Exp(1) noise of shape [num_rows, vocab]; greedy rows get ones and consume no randomness."""
+        noise = torch.ones(len(rows), vocab, dtype=torch.float32, device=device)
+        unseeded = [i for i, r in enumerate(rows) if not greedy[i] and r.params.seed is None]
+        if unseeded:
+            gen = self._generator(device)
+            if len(unseeded) == len(rows):
+                noise.exponential_(generator=gen)
+            else:
+                draw = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=device)
+                noise[torch.tensor(unseeded, device=device)] = draw.exponential_(generator=gen)
+        for i, row in enumerate(rows):
+            if greedy[i] or row.params.seed is None:
+                continue
+            gen = self._seeded_generator(device)
+            gen.manual_seed(step_seed(row.params.seed, row.num_generated))
+            noise[i].exponential_(generator=gen)  # a row view: same draw whatever the row index
+        # exponential_ may return an exact 0; probs / 0 would be inf or nan.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._generators[device] = gen
+        return gen
+
+    def _seeded_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._seeded_generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            self._seeded_generators[device] = gen
+        return gen
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, rows: list[SampleRow], tokens: torch.Tensor, token_list: list[int]
+    ) -> list[dict[int, float] | None]:
+        """Top-N and sampled-token log-probabilities of the raw logits, for rows that ask."""
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        out: list[dict[int, float] | None] = [None] * len(rows)
+        if not want:
+            return out
+        idx = torch.tensor(want, device=raw.device)
+        logprobs = torch.log_softmax(raw[idx], dim=-1)  # [num_want, vocab]
+        sampled_lp = logprobs.gather(1, tokens[idx][:, None])[:, 0].tolist()
+        max_n = min(max(rows[i].params.logprobs or 0 for i in want), raw.shape[1])
+        top_lp: list[list[float]] = [[] for _ in want]
+        top_ids: list[list[int]] = [[] for _ in want]
+        if max_n > 0:
+            top = torch.topk(logprobs, max_n, dim=-1)  # descending: [num_want, max_n]
+            top_lp, top_ids = top.values.tolist(), top.indices.tolist()
+        for j, i in enumerate(want):
+            n = rows[i].params.logprobs or 0
+            entry = dict(zip(top_ids[j][:n], top_lp[j][:n]))
+            entry[token_list[i]] = sampled_lp[j]
+            out[i] = entry
+        return out

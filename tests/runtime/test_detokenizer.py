@@ -1,0 +1,206 @@
+"""IncrementalDetokenizer against one-shot tokenizer.decode, with multi-byte text and stop strings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from rtp.runtime.detokenizer import IncrementalDetokenizer
+from rtp.sampling import SamplingParams
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while rain falls on quiet streets "
+    "你好 世界 今天 天气 很好 我们 去 公园 散步 吧 東京 大阪 日本語 한국어 안녕하세요 "
+    "😀 😃 🚀 🌍 ✨ 🎉 👍🏽 Grüße Köln naïve café — … ½ € Ω"
+).split()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A small byte-level BPE: few merges, so multi-byte characters often span several tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [" ".join(WORDS)] * 3 + ["the fox and the dog " * 20, "你好世界 " * 10]
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=SPECIALS,
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0])
+    hf.add_special_tokens({"additional_special_tokens": SPECIALS[1:]})
+    return hf
+
+
+def random_text(rng: random.Random, num_words: int) -> str:
+    return "".join(rng.choice(WORDS) + rng.choice([" ", "", " ", "\n"]) for _ in range(num_words))
+
+
+def stream(
+    tokenizer: PreTrainedTokenizerFast, ids: list[int], params: SamplingParams, prompt: list[int] | None = None
+) -> tuple[IncrementalDetokenizer, list[str], int | None]:
+    """Feed ids one by one; returns the detokenizer, all deltas (flush last) and the stopping index.
+
+    Checks on the way that everything emitted so far stays a prefix of the
+    final text and that held-back text is bounded by the longest stop string.
+    """
+    detok = IncrementalDetokenizer(tokenizer, prompt or [], params)
+    deltas: list[str] = []
+    stopped_at = None
+    max_hold = max((len(s) - 1 for s in params.stop_strings), default=0)
+    for i, token in enumerate(ids):
+        delta, stopped = detok.add(token)
+        deltas.append(delta)
+        emitted = "".join(deltas)
+        assert detok.text.startswith(emitted)
+        assert len(detok.text) - len(emitted) <= max_hold
+        if stopped:
+            stopped_at = i
+            break
+    deltas.append(detok.flush())
+    final = "".join(deltas)
+    assert final == detok.text
+    # Nothing emitted mid-stream may be missing from (or differ in) the final text.
+    running = ""
+    for d in deltas:
+        running += d
+        assert final.startswith(running)
+    return detok, deltas, stopped_at
+
+
+def test_fixture_splits_multibyte_characters(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode("🚀你好世界😀", add_special_tokens=False)
+    assert any(tokenizer.decode([i]).endswith("\ufffd") for i in ids)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_ids_match_one_shot_decode(tokenizer: PreTrainedTokenizerFast, skip_special_tokens: bool) -> None:
+    rng = random.Random(0 if skip_special_tokens else 1)
+    vocab = len(tokenizer)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    for _ in range(150):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        prompt = tokenizer.encode(random_text(rng, 3), add_special_tokens=False) if rng.random() < 0.5 else []
+        detok, deltas, stopped_at = stream(tokenizer, ids, params, prompt)
+        assert stopped_at is None
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_valid_multibyte_text_never_emits_replacement(tokenizer: PreTrainedTokenizerFast) -> None:
+    rng = random.Random(2)
+    held = 0
+    for _ in range(50):
+        text = random_text(rng, 12)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        prompt = tokenizer.encode("<|im_start|>user\n" + random_text(rng, 2), add_special_tokens=False)
+        _, deltas, _ = stream(tokenizer, ids, SamplingParams(), prompt)
+        assert not any("\ufffd" in d for d in deltas)
+        assert "".join(deltas) == text
+        held += sum(d == "" for d in deltas[:-1])
+    assert held > 0  # some tokens really did end inside a character
+
+
+def test_special_tokens_in_output(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode("你好<|im_end|>\n<|im_start|>🚀", add_special_tokens=False)
+    _, kept, _ = stream(tokenizer, ids, SamplingParams(skip_special_tokens=False))
+    assert "".join(kept) == "你好<|im_end|>\n<|im_start|>🚀"
+    _, skipped, _ = stream(tokenizer, ids, SamplingParams(skip_special_tokens=True))
+    assert "".join(skipped) == "你好\n🚀"
+
+
+def reference_stop(
+    tokenizer: PreTrainedTokenizerFast, ids: list[int], stops: list[str]
+) -> tuple[str, int | None]:
+    """Text and stopping token index the way a generation loop would see it, by re-decoding every prefix."""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        positions = [text.find(s) for s in stops if s in text]
+        if positions:
+            return text[: min(positions)], k - 1
+    return tokenizer.decode(ids, skip_special_tokens=True), None
+
+
+def test_stop_string_spanning_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
+    text = "the quick brown fox jumps over a lazy dog"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stop = "fox jumps"
+    assert len(tokenizer.encode(stop, add_special_tokens=False)) > 1
+    detok, deltas, stopped_at = stream(tokenizer, ids, SamplingParams(stop=stop))
+    assert detok.stopped and stopped_at is not None
+    assert detok.text == "the quick brown "
+    assert stopped_at < len(ids) - 1
+    assert "".join(deltas) == "the quick brown "
+    assert (detok.text, stopped_at) == reference_stop(tokenizer, ids, [stop])
+
+
+def test_stop_string_at_the_start(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode("你好世界 the dog", add_special_tokens=False)
+    detok, deltas, stopped_at = stream(tokenizer, ids, SamplingParams(stop=["好", "dog"]))
+    assert detok.text == "你"
+    detok, deltas, stopped_at = stream(tokenizer, ids, SamplingParams(stop=["你好世"]))
+    assert detok.text == "" and all(d == "" for d in deltas) and detok.stopped
+    assert stopped_at == reference_stop(tokenizer, ids, ["你好世"])[1]
+
+
+def test_no_stop_match_emits_everything_after_flush(tokenizer: PreTrainedTokenizerFast) -> None:
+    text = "the dog jumps over the fox"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok, deltas, stopped_at = stream(tokenizer, ids, SamplingParams(stop=["the cat", "fox!"]))
+    assert stopped_at is None and not detok.stopped
+    assert "".join(deltas[:-1]) == "the dog jumps over the "  # "fox" might still become "fox!"
+    assert deltas[-1] == "fox"
+
+
+def test_random_stop_strings_match_reference(tokenizer: PreTrainedTokenizerFast) -> None:
+    rng = random.Random(3)
+    for _ in range(120):
+        text = random_text(rng, 10)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.7:
+                start = rng.randrange(len(text))
+                stops.append(text[start : start + rng.randint(1, 6)])
+            else:
+                stops.append(random_text(rng, 2).strip() or "x")
+        detok, deltas, stopped_at = stream(tokenizer, ids, SamplingParams(stop=stops))
+        expected_text, expected_index = reference_stop(tokenizer, ids, stops)
+        assert (detok.text, stopped_at) == (expected_text, expected_index), (text, stops)
+        assert detok.stopped == (expected_index is not None)
+        # No emitted text contains any part of the stop string that matched.
+        assert "".join(deltas) == expected_text
+
+
+def test_add_after_stop_is_inert(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode("the dog and the fox", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop="dog"))
+    results = [detok.add(t) for t in ids]
+    assert any(stopped for _, stopped in results)
+    assert detok.text == "the "
+    assert results[-1] == ("", True)
+    assert detok.flush() == ""
+
+
+def test_prompt_context_keeps_leading_space() -> None:
+    """A Metaspace tokenizer drops the leading space of a decode; the prompt context prevents that."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"], show_progress=False)
+    tok.train_from_iterator(["hello world the dog and the fox " * 10], trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok)
+    prompt = hf.encode("hello the", add_special_tokens=False)
+    ids = hf.encode("dog and the fox", add_special_tokens=False)
+    expected = hf.decode(prompt + ids)[len(hf.decode(prompt)) :]
+    assert expected.startswith(" ") and not hf.decode(ids).startswith(" ")
+    _, deltas, _ = stream(hf, ids, SamplingParams(), prompt)
+    assert "".join(deltas) == expected
+    # Without a prompt there is nothing to continue from, like a one-shot decode.
+    _, deltas, _ = stream(hf, ids, SamplingParams(), [])
+    assert "".join(deltas) == hf.decode(ids)

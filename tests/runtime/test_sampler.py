@@ -1,0 +1,299 @@
+"""Sampler: filters against a per-row reference, seeds, min_tokens, logprobs, RNG hygiene."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rtp.runtime.sampler import Sampler, SampleRow, filter_logits, step_seed
+from rtp.sampling import SamplingParams
+
+EOS = 3
+
+
+def ref_keep(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Which tokens survive the filters, written independently, one row at a time in float64.
+
+    top-k keeps ties with the k-th value; top-p keeps a token when the mass of
+    the strictly more likely tokens is still below top_p; min-p compares with
+    the largest probability. Applied in that order, each on the renormalised
+    survivors of the previous one.
+    """
+    x = row.double() / temperature
+    vocab = x.numel()
+    keep = torch.ones(vocab, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        kth = sorted(x.tolist(), reverse=True)[top_k - 1]
+        keep &= x >= kth
+    if top_p < 1.0:
+        probs = torch.softmax(x.masked_fill(~keep, -math.inf), dim=0)
+        for t in range(vocab):
+            if keep[t] and probs[probs > probs[t]].sum() >= top_p:
+                keep[t] = False
+    if min_p > 0.0:
+        probs = torch.softmax(x.masked_fill(~keep, -math.inf), dim=0)
+        keep &= probs >= min_p * probs.max()
+    return keep
+
+
+def random_params(gen: torch.Generator, num_rows: int, vocab: int) -> list[tuple[float, int, float, float]]:
+    out = []
+    for _ in range(num_rows):
+        r = torch.rand(4, generator=gen).tolist()
+        temperature = 0.3 + 1.5 * r[0]
+        top_k = [-1, 0, 1, 2, 5, vocab // 3, vocab, vocab + 7][int(r[1] * 8)]
+        top_p = [1.0, 0.95, 0.7 * r[2] + 0.05, 0.3 * r[2] + 0.01][int(r[3] * 4)]
+        min_p = [0.0, 0.05, 0.3 * r[2]][int(r[0] * 3)]
+        out.append((temperature, top_k, top_p, min_p))
+    return out
+
+
+def apply_filters(logits: torch.Tensor, params: list[tuple[float, int, float, float]]) -> torch.Tensor:
+    temps, ks, ps, ms = (list(col) for col in zip(*params))
+    return filter_logits(logits, temps, ks, ps, ms)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_filter_masks_match_reference(ties: bool) -> None:
+    gen = torch.Generator().manual_seed(1 if ties else 2)
+    num_rows, vocab = 300, 40
+    if ties:
+        # Few distinct values: many ties, also at the top-k and top-p boundaries.
+        logits = torch.randint(-3, 4, (num_rows, vocab), generator=gen).float()
+    else:
+        logits = torch.randn(num_rows, vocab, generator=gen) * 3
+    params = random_params(gen, num_rows, vocab)
+    filtered = apply_filters(logits, params)
+    for i, p in enumerate(params):
+        expected = ref_keep(logits[i], *p)
+        got = torch.isfinite(filtered[i])
+        assert torch.equal(got, expected), (i, p, got.sum().item(), expected.sum().item())
+        assert got.any()
+    # Kept tokens carry the temperature-scaled logit.
+    temps = torch.tensor([p[0] for p in params])[:, None]
+    kept = torch.isfinite(filtered)
+    torch.testing.assert_close(filtered[kept], (logits / temps)[kept])
+
+
+def test_each_filter_narrows_the_mask() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(50, 64, generator=gen)
+    base = torch.isfinite(apply_filters(logits, [(1.0, -1, 1.0, 0.0)] * 50))
+    assert base.all()
+    for p in [(1.0, 5, 1.0, 0.0), (1.0, -1, 0.5, 0.0), (1.0, -1, 1.0, 0.2)]:
+        mask = torch.isfinite(apply_filters(logits, [p] * 50))
+        assert (mask.sum(-1) < 64).all(), p
+
+
+def test_top_p_keeps_boundary_token() -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log()  # the last token is already -inf
+    for top_p, expected in [(0.45, 1), (0.55, 2), (0.85, 3), (1.0, 3)]:
+        kept = torch.isfinite(filter_logits(logits, [1.0], [-1], [top_p], [0.0]))
+        assert kept.sum().item() == expected, top_p
+        assert kept[0, :expected].all()
+
+
+def test_top_k_and_min_p_exact() -> None:
+    logits = torch.tensor([[4.0, 1.0, 3.0, 3.0, 2.0]])
+    kept = torch.isfinite(filter_logits(logits, [1.0], [2], [1.0], [0.0]))
+    assert kept.tolist() == [[True, False, True, True, False]]  # the tie with the 2nd is kept
+    probs = torch.softmax(logits, -1)[0]
+    min_p = (probs[4] / probs[0]).item() * 1.001  # just above token 4's ratio
+    kept = torch.isfinite(filter_logits(logits, [1.0], [-1], [1.0], [min_p]))
+    assert kept.tolist() == [[True, False, True, True, False]]
+
+
+def test_sampled_tokens_stay_inside_the_mask() -> None:
+    gen = torch.Generator().manual_seed(4)
+    num_rows, vocab = 400, 30
+    logits = torch.randn(num_rows, vocab, generator=gen) * 2
+    params = random_params(gen, num_rows, vocab)
+    seeds = torch.randint(0, 1000, (num_rows,), generator=gen).tolist()
+    rows = [
+        SampleRow(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=s if i % 2 else None), 0)
+        for i, ((t, k, p, m), s) in enumerate(zip(params, seeds))
+    ]
+    out = Sampler([EOS], seed=5).sample(logits, rows)
+    for i, tok in enumerate(out.token_ids):
+        assert ref_keep(logits[i], *params[i])[tok], (i, params[i])
+
+
+def test_greedy_is_argmax() -> None:
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(32, 100, generator=gen)
+    rows = [SampleRow(SamplingParams(temperature=0.0, top_k=3, top_p=0.5), 0) for _ in range(32)]
+    out = Sampler([EOS]).sample(logits, rows)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    # Mixed with sampled rows, greedy rows are still the argmax.
+    mixed = [SampleRow(SamplingParams(temperature=0.0 if i % 2 else 1.0), 0) for i in range(32)]
+    out = Sampler([EOS]).sample(logits, mixed)
+    assert out.token_ids[1::2] == logits.argmax(-1)[1::2].tolist()
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampling_frequencies_follow_the_distribution(seeded: bool) -> None:
+    gen = torch.Generator().manual_seed(7)
+    vocab, temperature = 8, 0.7
+    num = 4000 if seeded else 20000
+    base = torch.randn(vocab, generator=gen)
+    logits = base.expand(num, vocab).contiguous()
+    rows = [SampleRow(SamplingParams(temperature=temperature, seed=i if seeded else None), 3) for i in range(num)]
+    tokens = torch.tensor(Sampler([], seed=8).sample(logits, rows).token_ids)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    expected = torch.softmax(base.double() / temperature, 0) * num
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    # 7 degrees of freedom: P(chi2 > 30) is about 1e-4.
+    assert chi2 < 30, (counts.tolist(), expected.tolist())
+
+
+def test_filtered_sampling_frequencies() -> None:
+    # top-k=3 then top-p=0.8 on known probabilities: the draw is from the renormalised survivors.
+    probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+    num = 20000
+    logits = probs.log().expand(num, 5).contiguous()
+    rows = [SampleRow(SamplingParams(top_k=3, top_p=0.6), 0) for _ in range(num)]
+    tokens = torch.tensor(Sampler([], seed=9).sample(logits, rows).token_ids)
+    counts = torch.bincount(tokens, minlength=5).double()
+    # top-k keeps 0.4, 0.25, 0.2 -> renormalised 0.47, 0.29, 0.24; top-p 0.6 keeps the first two.
+    kept = torch.tensor([0.4, 0.25, 0.0, 0.0, 0.0])
+    expected = kept / kept.sum() * num
+    assert counts[2:].sum() == 0
+    assert abs(counts[0] - expected[0]) < 5 * math.sqrt(expected[0].item())
+
+
+def run_steps(sampler: Sampler, batches: list[list[SampleRow]], logits_per_step: list[torch.Tensor]) -> list[list[int]]:
+    return [sampler.sample(lg, rows).token_ids for lg, rows in zip(logits_per_step, batches)]
+
+
+def test_seed_reproducible_across_batch_compositions() -> None:
+    gen = torch.Generator().manual_seed(10)
+    vocab, steps = 500, 6
+    target_params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    # Flat-ish logits, so that different noise would give different tokens.
+    target_logits = [torch.randn(vocab, generator=gen) * 0.5 for _ in range(steps)]
+
+    def tokens_in(batch_size: int, position: int, sampler_seed: int) -> list[int]:
+        sampler = Sampler([EOS], seed=sampler_seed)
+        out = []
+        for step in range(steps):
+            logits = torch.randn(batch_size, vocab, generator=gen)
+            logits[position] = target_logits[step]
+            rows = [
+                SampleRow(SamplingParams(temperature=1.0, seed=(100 + j) if j % 2 else None), step)
+                for j in range(batch_size)
+            ]
+            rows[position] = SampleRow(target_params, step)
+            out.append(sampler.sample(logits, rows).token_ids[position])
+        return out
+
+    alone = tokens_in(1, 0, 0)
+    assert tokens_in(5, 3, 1) == alone
+    assert tokens_in(9, 8, 2) == alone
+    assert tokens_in(4, 0, 3) == alone
+    assert len(set(alone)) > 1  # noise changes from step to step
+
+
+def test_different_seeds_differ() -> None:
+    gen = torch.Generator().manual_seed(11)
+    vocab, steps, num_seeds = 1000, 4, 20
+    logits = [torch.randn(vocab, generator=gen) * 0.1 for _ in range(steps)]
+    sequences = set()
+    for seed in range(num_seeds):
+        sampler = Sampler([EOS])
+        rows = [SampleRow(SamplingParams(seed=seed), s) for s in range(steps)]
+        sequences.add(tuple(sampler.sample(logits[s][None], [rows[s]]).token_ids[0] for s in range(steps)))
+    assert len(sequences) >= num_seeds - 1
+    # The same seed and the same logits still give fresh noise at every step.
+    sampler = Sampler([EOS])
+    repeated = [sampler.sample(logits[0][None], [SampleRow(SamplingParams(seed=5), s)]).token_ids[0] for s in range(8)]
+    assert len(set(repeated)) > 1
+    assert len({step_seed(a, b) for a in range(30) for b in range(30)}) == 900
+
+
+def test_unseeded_rows_follow_the_sampler_seed() -> None:
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(16, 300, generator=gen) * 0.2
+    rows = [SampleRow(SamplingParams(), 0) for _ in range(16)]
+    a = Sampler([EOS], seed=1).sample(logits, rows).token_ids
+    assert Sampler([EOS], seed=1).sample(logits, rows).token_ids == a
+    assert Sampler([EOS], seed=2).sample(logits, rows).token_ids != a
+    sampler = Sampler([EOS], seed=1)
+    sampler.sample(logits, rows)
+    assert sampler.sample(logits, rows).token_ids != a  # the stream moves on
+
+
+def test_min_tokens_masks_eos_and_stop_tokens() -> None:
+    vocab = 20
+    logits = torch.zeros(6, vocab)
+    logits[:, EOS] = 50.0
+    logits[:, 7] = 40.0
+    logits[:, 11] = 30.0
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7, 99])
+    sampled = SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[7])
+    rows = [
+        SampleRow(params, 0),
+        SampleRow(params, 2),
+        SampleRow(params, 3),  # min_tokens reached: EOS allowed again
+        SampleRow(sampled, 1),
+        SampleRow(SamplingParams(temperature=0.0), 0),  # no min_tokens
+        SampleRow(sampled, 5),
+    ]
+    out = Sampler([EOS, 15]).sample(logits, rows)
+    assert out.token_ids[:3] == [11, 11, EOS]
+    assert out.token_ids[3] not in (EOS, 7, 15)
+    assert out.token_ids[4] == EOS
+    assert out.token_ids[5] == EOS  # 50 vs 0: overwhelmingly likely
+    for _ in range(20):
+        tok = Sampler([EOS, 15], seed=_).sample(logits[3:4], [rows[3]]).token_ids[0]
+        assert tok not in (EOS, 7, 15)
+
+
+def test_min_tokens_never_masks_every_token() -> None:
+    logits = torch.tensor([[1.0, 2.0], [2.0, 1.0]])
+    rows = [SampleRow(SamplingParams(temperature=t, min_tokens=2), 0) for t in (0.0, 1.0)]
+    out = Sampler([0, 1]).sample(logits, rows)
+    assert out.token_ids[0] == 1
+    assert out.token_ids[1] in (0, 1)
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.randn(5, 50, generator=gen) * 2
+    rows = [
+        SampleRow(SamplingParams(temperature=0.5, top_k=5, logprobs=3), 0),
+        SampleRow(SamplingParams(temperature=0.0, logprobs=0), 0),
+        SampleRow(SamplingParams(temperature=1.0), 0),
+        SampleRow(SamplingParams(temperature=1.2, min_p=0.1, logprobs=20, min_tokens=1), 0),
+        SampleRow(SamplingParams(temperature=0.8, seed=4, logprobs=1), 0),
+    ]
+    out = Sampler([EOS]).sample(logits, rows)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert out.logprobs[2] is None
+    for i, n in [(0, 3), (1, 0), (3, 20), (4, 1)]:
+        entry = out.logprobs[i]
+        assert entry is not None
+        tok = out.token_ids[i]
+        top = ref[i].topk(n).indices.tolist() if n else []
+        assert set(entry) == set(top) | {tok}
+        for t, lp in entry.items():
+            assert abs(lp - ref[i, t].item()) < 1e-5
+
+
+def test_no_global_rng_use_and_no_input_mutation() -> None:
+    gen = torch.Generator().manual_seed(14)
+    logits = torch.randn(6, 40, generator=gen)
+    before_logits = logits.clone()
+    rows = [
+        SampleRow(SamplingParams(temperature=1.0, top_p=0.9, min_tokens=2), 0),
+        SampleRow(SamplingParams(temperature=0.7, top_k=4, seed=3), 1),
+        SampleRow(SamplingParams(temperature=0.0, logprobs=2), 0),
+        SampleRow(SamplingParams(min_p=0.1), 2),
+        SampleRow(SamplingParams(seed=9), 0),
+        SampleRow(SamplingParams(), 0),
+    ]
+    state = torch.random.get_rng_state()
+    Sampler([EOS, 1, 2]).sample(logits, rows)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert torch.equal(logits, before_logits)
