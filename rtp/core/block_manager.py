@@ -1,0 +1,206 @@
+"""Paged KV blocks: allocation, reference counts and a chained-hash prefix cache.
+
+The KV cache of every rank is cut into ``num_blocks`` blocks of ``block_size``
+token slots. Rank 0 decides which block holds which positions of which
+sequence; this module is that bookkeeping.
+
+Prefix cache. Block ``i`` of a sequence that is full is named by
+``h_i = xxh64(h_{i-1} || token_ids of block i)``, so equal hashes mean equal
+prefixes (up to 64-bit collisions). A hash is registered only once the block
+is full *and* its KV was computed (``cache_computed_blocks``, called after a
+step ran), never at allocation: until then the block holds garbage.
+
+A block whose reference count drops to 0 keeps its hash and stays findable,
+parked in an LRU pool; it is evicted (hash entry dropped) only when a fresh
+block is needed and no hash-less free block is left. Blocks of one sequence are
+released tail first, so the tail of a prefix is evicted before its head.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict, deque
+
+import xxhash
+
+from rtp.core.sequence import Sequence
+from rtp.log import get_logger
+
+logger = get_logger(__name__)
+
+
+def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
+    """Chained hash of one full block: xxh64 over the parent's hash and the block's tokens."""
+    h = xxhash.xxh64()
+    if parent_hash is not None:  # the first block of a sequence has no parent
+        h.update(parent_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    """Owns the KV blocks: free pools, reference counts and the hash -> block map."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks >= 1 and block_size >= 1
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref: list[int] = [0] * num_blocks  # number of block tables holding the block
+        self._hash: list[int | None] = [None] * num_blocks  # registered hash, or None
+        self._hash_to_block: dict[int, int] = {}
+        # Free blocks without a hash (reused first) and free blocks with one (LRU order,
+        # least recently freed first; evicted only when the hash-less pool is empty).
+        self._free_plain: deque[int] = deque(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (hash-less free plus evictable cached)."""
+        return len(self._free_plain) + len(self._free_cached)
+
+    def ref_count(self, block_id: int) -> int:
+        """Number of block tables holding ``block_id``."""
+        return self._ref[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        """The hash registered for ``block_id``, or None."""
+        return self._hash[block_id]
+
+    def cached_blocks(self) -> dict[int, int]:
+        """A copy of the hash -> block id map (for tests and debugging)."""
+        return dict(self._hash_to_block)
+
+    def free_block_ids(self) -> tuple[list[int], list[int]]:
+        """Free block ids: (hash-less pool, cached pool in eviction order)."""
+        return list(self._free_plain), list(self._free_cached)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` positions."""
+        return -(-num_tokens // self.block_size)
+
+    def seq_block_hashes(self, seq: Sequence) -> list[int]:
+        """Chained hashes of the full blocks of ``seq.token_ids`` (extends ``seq.block_hashes``)."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_tokens // bs):
+            parent = hashes[i - 1] if i > 0 else None
+            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq``'s known tokens.
+
+        At most ``(num_tokens - 1) // block_size`` blocks are returned, so at least
+        one token is always left to compute: a step needs a non-empty query to
+        produce the logits of the next token. When the whole sequence is cached,
+        its last block is recomputed into a fresh block rather than writing the
+        last token into a block that other sequences share.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self.seq_block_hashes(seq)
+        limit = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in hashes[:limit]:
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, cached: list[int], num_tokens: int) -> bool:
+        """Whether a waiting sequence can get blocks for ``num_tokens`` positions reusing ``cached``."""
+        fresh = self.num_blocks_for(num_tokens) - len(cached)
+        # A cached hit that is currently free leaves the free pool when taken.
+        revived = sum(1 for b in cached if self._ref[b] == 0)
+        return fresh + revived <= self.num_free_blocks
+
+    def appendable_tokens(self, seq: Sequence) -> int:
+        """How many more positions of a running ``seq`` could be computed with the free blocks."""
+        return len(seq.block_table) * self.block_size - seq.num_computed_tokens + self.num_free_blocks * self.block_size
+
+    # ------------------------------------------------------------------ updates
+
+    def allocate(self, seq: Sequence, cached: list[int], num_tokens: int) -> None:
+        """Give a waiting ``seq`` its cached prefix blocks plus fresh blocks up to ``num_tokens`` positions."""
+        assert not seq.block_table, f"{seq} already holds blocks"
+        assert self.can_allocate(cached, num_tokens)
+        for block_id in cached:  # take the hits first so that allocating fresh blocks cannot evict them
+            self._take(block_id)
+        seq.block_table = list(cached)
+        seq.num_hashed_blocks = len(cached)  # hits are registered already
+        self.append(seq, num_tokens)
+
+    def append(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow ``seq.block_table`` so that it holds ``num_tokens`` positions."""
+        need = self.num_blocks_for(num_tokens) - len(seq.block_table)
+        assert need <= self.num_free_blocks, f"{seq} needs {need} blocks, {self.num_free_blocks} free"
+        for _ in range(need):
+            seq.block_table.append(self._alloc())
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq`` (tail first, so the tail is evicted first)."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of ``seq``'s blocks that are full and computed.
+
+        Call after the step that computed them ran. If another block already holds
+        the same content (two sequences with one prefix computed in the same step,
+        or a fully cached prompt whose last block was recomputed), the existing
+        entry is kept and this block stays hash-less: it returns to the plain pool
+        when freed. One hash never maps to two blocks and no block is lost.
+        """
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_hashed_blocks:
+            return
+        hashes = self.seq_block_hashes(seq)
+        for i in range(seq.num_hashed_blocks, full):
+            block_id, h = seq.block_table[i], hashes[i]
+            registered = self._hash[block_id]
+            if registered is not None:
+                assert registered == h, f"block {block_id} of {seq} is registered under another hash"
+            elif h not in self._hash_to_block:
+                self._hash[block_id] = h
+                self._hash_to_block[h] = block_id
+        seq.num_hashed_blocks = full
+
+    # ------------------------------------------------------------------ internals
+
+    def _alloc(self) -> int:
+        """A fresh block with ref count 1, evicting the least recently freed cached block if needed."""
+        if self._free_plain:
+            block_id = self._free_plain.popleft()
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)
+            # The block is about to hold other content: its hash must stop pointing at it.
+            h = self._hash[block_id]
+            assert h is not None and self._hash_to_block.get(h) == block_id
+            del self._hash_to_block[h]
+            self._hash[block_id] = None
+        assert self._ref[block_id] == 0
+        self._ref[block_id] = 1
+        return block_id
+
+    def _take(self, block_id: int) -> None:
+        """Share a cached block (revive it from the cached pool if it was free)."""
+        if self._ref[block_id] == 0:
+            del self._free_cached[block_id]
+        self._ref[block_id] += 1
+
+    def _release(self, block_id: int) -> None:
+        assert self._ref[block_id] > 0, f"double free of block {block_id}"
+        self._ref[block_id] -= 1
+        if self._ref[block_id] == 0:
+            if self._hash[block_id] is not None:
+                self._free_cached[block_id] = None  # most recently freed: evicted last
+            else:
+                self._free_plain.append(block_id)
