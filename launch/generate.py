@@ -19,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rtp  # noqa: E402
+from rtp.cli import add_common_args, fail  # noqa: E402
 from rtp.errors import RtpError  # noqa: E402
 
 DEMO_PROMPTS = ["The quick brown fox", "Once upon a time", "What time is it?", "One, two, three,"]
@@ -51,13 +52,11 @@ def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="YAML config (default: configs/cpu.yaml)")
-    ap.add_argument("--model", help="HF Qwen3 checkpoint folder (overrides the config)")
+    add_common_args(ap)
     ap.add_argument("--prompts-file", help="JSONL input")
     ap.add_argument("--output", help="JSONL output (default: print)")
     ap.add_argument("--max-tokens", type=int, default=32, help="max_tokens for the built-in demo prompts")
     args = ap.parse_args()
-    rank = int(os.environ.get("RANK", "0"))
     try:
         if args.prompts_file:
             prompts, params = read_requests(args.prompts_file)
@@ -67,9 +66,7 @@ def main() -> int:
         rtp.init(args.config, model=args.model)  # worker ranks serve inside init() and exit there
         outputs = rtp.generate(prompts, params)
     except RtpError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(e)
     finally:
         rtp.shutdown()
     lines = [json.dumps({"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rtp.config import RtpConfig, default_config_path, load_config
-from rtp.errors import RtpError
-from rtp.runtime.engine import RequestOutput
+from rtp.errors import ConfigError, RtpError
+from rtp.outputs import RequestOutput
 from rtp.sampling import SamplingParams
 
 __all__ = ["init", "generate", "generate_stream", "shutdown", "SamplingParams", "RequestOutput", "RtpError"]
@@ -40,6 +40,11 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
     elif overrides:
         config = load_config(None, **{**_as_dict(config), **overrides})
     model_dir = Path(config.model) if config.model else default_model_dir()
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(
+            f"model={str(model_dir)!r} is not a Hugging Face checkpoint folder (no config.json there); "
+            "give a local folder: rtp never downloads from a model hub"
+        )
     _current = start(config, model_dir)
     return _current
 

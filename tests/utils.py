@@ -28,6 +28,21 @@ SHAPES: dict[str, TinyQwen3Spec] = {
 }
 
 
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers' greedy continuation, never stopping early at EOS.
+
+    The attention mask is explicit: otherwise generate() treats prompt tokens
+    equal to the pad id as padding.
+    """
+    import torch
+
+    hf_model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                            do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600, env: dict | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
     """Run ``script`` under ``torchrun --standalone`` (a free rendezvous port per run)."""

@@ -98,7 +98,8 @@ class Runtime:
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        last = (time.perf_counter(), self.engine.stats())
+        start = self.engine.stats()
+        last = (time.perf_counter(), start)
         while len(done) < len(ids):
             self.check_alive()
             for out in self.engine.step():
@@ -113,6 +114,13 @@ class Runtime:
                 bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s")
                 last = (now, stats)
         bar.close()
+        end = self.engine.stats()
+        logger.info(
+            "generated %d requests: %d prompt tokens computed, %d prefix-cache hits, %d decode tokens, %d preemptions",
+            len(ids), end["num_prefill_tokens_computed"] - start["num_prefill_tokens_computed"],
+            end["prefix_hit_tokens"] - start["prefix_hit_tokens"], end["num_decode_tokens"] - start["num_decode_tokens"],
+            end["num_preemptions"] - start["num_preemptions"],
+        )
         return [done[i] for i in ids]
 
     def generate_stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
@@ -171,8 +179,7 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
     pids = [None] * ps.world_size
     dist.all_gather_object(pids, os.getpid(), group=ps.cpu_group)
     if ps.rank == 0:
-        for name in cleanup_stale_segments():
-            logger.warning("removed a shared-memory segment left by a dead run: %s", name)
+        cleanup_stale_segments()  # segments of crashed runs: removed, each one logged
         channel = ShmChannel.create(
             make_channel_name(), ps.world_size - 1, config.shm_chunk_bytes, config.shm_num_chunks
         )

@@ -24,36 +24,13 @@ from rtp.core.sequence import Sequence
 from rtp.core.step import StepPlan
 from rtp.errors import RequestError
 from rtp.log import get_logger
+from rtp.outputs import RequestOutput
 from rtp.runtime.detokenizer import IncrementalDetokenizer
 from rtp.runtime.model_runner import ModelRunner
 from rtp.runtime.sampler import SampleRow, Sampler
 from rtp.sampling import SamplingParams
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """The state of one request after a step (cumulative), plus what this step added."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    logprobs: list[dict[int, float]] | None = None
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    new_text: str = ""  # text added by the last step (streaming)
-    new_token_ids: list[int] = field(default_factory=list)
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    error: str | None = None  # set when the runtime failed underneath the request
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

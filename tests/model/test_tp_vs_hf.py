@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rtp.testing import make_tiny_qwen3
-from tests.utils import SHAPES, torchrun
+from tests.utils import SHAPES, hf_greedy, torchrun
 
 STEPS = 32
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -33,15 +33,13 @@ def hf_reference(models) -> dict[str, dict]:
     ref = {}
     for name, path in models.items():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        hf.generation_config.eos_token_id = None  # never stop early: compare all 32 tokens
         prompts = make_prompts(SHAPES[name].vocab_size)
         logits, tokens = [], []
         with torch.no_grad():
             for p in prompts:
                 ids = torch.tensor([p])
                 logits.append(hf(ids).logits[0, -1])
-                out = hf.generate(ids, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
-                tokens.append(out[0, len(p):].tolist())
+                tokens.append(hf_greedy(hf, p, STEPS))
         ref[name] = {"logits": torch.stack(logits), "tokens": tokens, "prompts": prompts}
     return ref
 

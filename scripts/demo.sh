@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up a local virtualenv (first run only) and generate a few completions with
+# the embedded tiny Qwen3 on two CPU ranks. Extra arguments go to launch/generate.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${RTP_VENV:-.venv}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e .
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "$VENV/bin/torchrun" --standalone --nproc-per-node "${NPROC:-2}" launch/generate.py --config configs/cpu.yaml "$@"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up a local virtualenv (first run only) and run the test suite.
+#   bash scripts/test.sh                 # everything
+#   bash scripts/test.sh tests/core -x   # any pytest arguments
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${RTP_VENV:-.venv}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+# torch is pinned in pyproject.toml to the CPU build this machine ships (never an unpinned CUDA build).
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,serve]'
+# One BLAS thread per process: torchrun tests start several ranks on few cores.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "$VENV/bin/python" -m pytest "$@"

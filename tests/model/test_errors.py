@@ -1,0 +1,93 @@
+"""Clear errors for shapes that cannot be split and for broken checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rtp.dist.parallel import ParallelState
+from rtp.errors import CheckpointError, ModelShapeError
+from rtp.runtime.model_runner import load_model
+from rtp.testing import TinyQwen3Spec, make_tiny_qwen3
+
+
+def fake_world(tp: int, rank: int = 0) -> ParallelState:
+    # Shape checks run before any collective, so no process group is needed.
+    return ParallelState(rank=rank, world_size=tp, local_rank=rank, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny"), TinyQwen3Spec(tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize(
+    "spec, tp, words",
+    [
+        (TinyQwen3Spec(), 3, ["num_attention_heads=4", "3"]),
+        (TinyQwen3Spec(num_attention_heads=6, num_key_value_heads=6, hidden_size=96), 4, ["num_attention_heads=6", "4"]),
+        (TinyQwen3Spec(num_attention_heads=8, num_key_value_heads=4, hidden_size=128, intermediate_size=100), 8,
+         ["intermediate_size=100", "8"]),
+        (TinyQwen3Spec(num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=96), 2,
+         ["num_key_value_heads=3", "2"]),
+    ],
+)
+def test_unsplittable_shapes_name_the_numbers(tmp_path, spec, tp, words):
+    path = make_tiny_qwen3(tmp_path / "m", spec)
+    with pytest.raises(ModelShapeError) as e:
+        load_model(path, fake_world(tp), torch.float32)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def _rewrite(src, dst, edit):
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_missing_tensor_is_named(tiny, tmp_path):
+    path = _rewrite(tiny, tmp_path / "m", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(path, ParallelState.single(), torch.float32)
+
+
+def test_unexpected_tensor_is_named(tiny, tmp_path):
+    path = _rewrite(tiny, tmp_path / "m", lambda t: t.__setitem__("model.layers.0.extra.weight", torch.zeros(2)))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.extra\.weight'"):
+        load_model(path, ParallelState.single(), torch.float32)
+
+
+def test_wrong_shape_is_named(tiny, tmp_path):
+    def shrink(t):
+        t["model.norm.weight"] = t["model.norm.weight"][:-1].clone()
+
+    path = _rewrite(tiny, tmp_path / "m", shrink)
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*shape"):
+        load_model(path, ParallelState.single(), torch.float32)
+
+
+def test_missing_shard_file_is_reported(tmp_path):
+    path = make_tiny_qwen3(tmp_path / "m", TinyQwen3Spec(num_shards=2))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (path / victim).unlink()
+    with pytest.raises(CheckpointError, match=victim.replace(".", r"\.")):
+        load_model(path, ParallelState.single(), torch.float32)
+
+
+def test_other_architectures_are_refused(tiny, tmp_path):
+    path = _rewrite(tiny, tmp_path / "m", lambda t: None)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelShapeError, match="qwen3"):
+        load_model(path, ParallelState.single(), torch.float32)
