@@ -79,7 +79,7 @@ def _rank_main(rank: int, world: int, port: int, name: str, steps: int, warmup: 
             chan = ShmChannel.attach(name, rank - 1, timeout=30)
         dist.barrier()
 
-        for i, plan in enumerate(plans):
+        for plan in plans:
             dist.barrier()
             if rank == 0:
                 _settle()
@@ -95,7 +95,7 @@ def _rank_main(rank: int, world: int, port: int, name: str, steps: int, warmup: 
                 mismatches += got != plan
             times["shm"].append(t)
 
-        for i, plan in enumerate(plans):
+        for plan in plans:
             dist.barrier()
             if rank == 0:
                 _settle()

@@ -10,4 +10,5 @@ VENV="${RTP_VENV:-.venv}"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,serve]'
 # One BLAS thread per process: torchrun tests start several ranks on few cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+"$VENV/bin/ruff" check --quiet rtp launch scripts tests
 exec "$VENV/bin/python" -m pytest "$@"

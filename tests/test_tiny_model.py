@@ -26,7 +26,12 @@ from rtp.testing import TinyQwen3Spec, default_model_dir, make_tiny_qwen3  # noq
 REPO = Path(__file__).resolve().parents[1]
 LINEAR = {"rope_type": "linear", "factor": 2.0}
 PROMPTS = ["The weather today is", "Once upon a time", "def main():", "Grüße, 世界! 🙂", "1 2 3 4"]
-TEXTS = ["Hello world!", "naïve café — 日本語 🙂\n\n  tabs\tand  spaces", "<|im_start|>user\nhi<|im_end|>\n", "\x00\x7f"]
+TEXTS = [
+    "Hello world!",
+    "naïve café — 日本語 🙂\n\n  tabs\tand  spaces",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "\x00\x7f",
+]
 
 
 def _read_tensors(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:

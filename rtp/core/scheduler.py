@@ -57,7 +57,8 @@ class SchedulerConfig:
                 raise ConfigError(f"SchedulerConfig.{name}={value!r} is invalid: expected a positive integer")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(
-                f"SchedulerConfig.enable_prefix_caching={self.enable_prefix_caching!r} is invalid: expected true or false"
+                f"SchedulerConfig.enable_prefix_caching={self.enable_prefix_caching!r} is invalid: "
+                "expected true or false"
             )
 
 

@@ -18,9 +18,11 @@ logger = get_logger(__name__)
 
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (a killed child not yet reaped)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True

@@ -112,9 +112,19 @@ class ParallelState:
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
-    def destroy(self) -> None:
-        """Tear down the process groups (idempotent)."""
+    def destroy(self, barrier: bool = True, barrier_timeout_s: float = 10.0) -> None:
+        """Tear down the process groups (idempotent).
+
+        Ranks first meet at a barrier: a rank that tears gloo down while a peer
+        still uses the connection can abort in gloo's threads at exit. A dead
+        peer only costs the timeout.
+        """
         if self.world_size > 1 and dist.is_initialized():
+            try:
+                if barrier:
+                    dist.monitored_barrier(self.cpu_group, timeout=datetime.timedelta(seconds=barrier_timeout_s))
+            except RuntimeError as e:
+                logger.debug("no barrier before teardown: %s", e)
             dist.destroy_process_group()
 
 

@@ -57,6 +57,7 @@ from types import TracebackType
 import _posixshmem  # the primitive multiprocessing.shared_memory itself is built on
 
 from rtp.errors import RtpError
+from rtp.dist.liveness import pid_alive
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
@@ -348,10 +349,10 @@ class ShmChannel:
         """
         self._check_open()
         if self.reader_index is not None:
-            return _pid_alive(self.creator_pid)
+            return pid_alive(self.creator_pid)
         off = self._layout.reader_pid_off // 8
         pids = self._q[off : off + self._layout.num_readers].tolist()
-        return all(pid == 0 or _pid_alive(pid) for pid in pids)
+        return all(pid == 0 or pid_alive(pid) for pid in pids)
 
     # ------------------------------------------------------------- teardown
 
@@ -424,19 +425,6 @@ def _try_map(name: str) -> mmap.mmap | None:
     return mm
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (a process of another user counts as alive)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale_segments(prefix: str = "rtp_") -> list[str]:
     """Unlink ``<prefix><pid>_<hex>`` segments in /dev/shm whose creator pid is dead; return their names.
 
@@ -450,7 +438,7 @@ def cleanup_stale_segments(prefix: str = "rtp_") -> list[str]:
     removed = []
     for entry in sorted(os.listdir(_SHM_DIR)):
         match = pattern.fullmatch(entry)
-        if match is None or _pid_alive(int(match.group(1))):
+        if match is None or pid_alive(int(match.group(1))):
             continue
         try:
             _posixshmem.shm_unlink("/" + entry)

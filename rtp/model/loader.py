@@ -85,7 +85,8 @@ def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path) -> LoadReport:
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
-    logger.info("loaded %d tensors (%.1f MiB on this rank) from %s", report.tensors, report.bytes_read / 2**20, model_dir)
+    mib = report.bytes_read / 2**20
+    logger.info("loaded %d tensors (%.1f MiB on this rank) from %s", report.tensors, mib, model_dir)
     return report
 
 

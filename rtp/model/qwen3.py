@@ -72,7 +72,9 @@ class Qwen3Attention(nn.Module):
     def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding) -> None:
         super().__init__()
         d = spec.head_dim
-        self.qkv_proj = QKVParallelLinear(spec.hidden_size, d, spec.num_heads, spec.num_kv_heads, ps, spec.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            spec.hidden_size, d, spec.num_heads, spec.num_kv_heads, ps, spec.attention_bias
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, ps, spec.attention_bias)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)  # per-head norms: Qwen3's addition over Qwen2

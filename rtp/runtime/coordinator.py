@@ -44,6 +44,7 @@ class Runtime:
         self.config, self.ps, self.engine, self.channel = config, ps, engine, channel
         self.closed = False
         self.dead_rank: int | None = None
+        self.stop_signal: int | None = None  # SIGTERM/SIGINT received: stop at the next step boundary
         self.on_failure: list[Callable[[str], None]] = []  # the server hooks in to fail its clients
         self._watchdog = Watchdog(peers, self._peer_died).start() if peers else None
 
@@ -76,6 +77,36 @@ class Runtime:
         if self.dead_rank is not None:
             raise WorkerDiedError(f"rank {self.dead_rank} died; the runtime cannot continue")
 
+    def step(self) -> list[RequestOutput]:
+        """One engine step. A collective that fails because a peer died becomes a WorkerDiedError naming it."""
+        self.check_alive()
+        if self.stop_signal is not None:
+            raise SystemExit(128 + self.stop_signal)  # unwinds to the caller's finally: rtp.shutdown()
+        try:
+            return self.engine.step()
+        except Exception as e:
+            dead = self._wait_for_dead_peer(timeout_s=3.0)
+            if dead is None:
+                raise
+            rank, pid = dead
+            msg = f"rank {rank} (pid {pid}) died during a step; failing all pending requests"
+            self.dead_rank = rank
+            self.engine.fail_all(msg)
+            self._unlink()
+            raise WorkerDiedError(msg) from e
+
+    def _wait_for_dead_peer(self, timeout_s: float) -> tuple[int, int] | None:
+        # The failed collective usually beats the watchdog: look at the peers directly.
+        deadline = time.monotonic() + timeout_s
+        while self._watchdog is not None:
+            dead = self._watchdog.dead_peers()
+            if dead:
+                return dead[0]
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return None
+
     # ---- offline API ----
 
     def generate(
@@ -101,8 +132,7 @@ class Runtime:
         start = self.engine.stats()
         last = (time.perf_counter(), start)
         while len(done) < len(ids):
-            self.check_alive()
-            for out in self.engine.step():
+            for out in self.step():
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)
@@ -118,7 +148,8 @@ class Runtime:
         logger.info(
             "generated %d requests: %d prompt tokens computed, %d prefix-cache hits, %d decode tokens, %d preemptions",
             len(ids), end["num_prefill_tokens_computed"] - start["num_prefill_tokens_computed"],
-            end["prefix_hit_tokens"] - start["prefix_hit_tokens"], end["num_decode_tokens"] - start["num_decode_tokens"],
+            end["prefix_hit_tokens"] - start["prefix_hit_tokens"],
+            end["num_decode_tokens"] - start["num_decode_tokens"],
             end["num_preemptions"] - start["num_preemptions"],
         )
         return [done[i] for i in ids]
@@ -128,8 +159,7 @@ class Runtime:
         """Yield the request's output after every step that changed it, until it finishes."""
         rid = self.engine.add_request(prompt, sampling_params)
         while True:
-            self.check_alive()
-            for out in self.engine.step():
+            for out in self.step():
                 if out.request_id == rid:
                     yield out
                     if out.finished:
@@ -157,7 +187,7 @@ class Runtime:
             self._unlink()
             if self.channel is not None:
                 self.channel.close()
-            self.ps.destroy()
+            self.ps.destroy(barrier=self.dead_rank is None)
         logger.info("shut down")
 
 
@@ -203,9 +233,12 @@ def _install_exit_handlers(runtime: Runtime) -> None:
     atexit.register(runtime.shutdown)
 
     def on_signal(signum: int, frame) -> None:  # noqa: ANN001
-        logger.info("received %s: shutting down", signal.Signals(signum).name)
-        # Unwind the main thread (generate loop or server) so finally-blocks run.
-        raise SystemExit(128 + signum)
+        # Stop at the next step boundary: leaving in the middle of a step would strand
+        # the workers in a collective. A second signal stops at once.
+        if runtime.stop_signal is not None:
+            raise SystemExit(128 + signum)
+        logger.info("received %s: shutting down after the current step", signal.Signals(signum).name)
+        runtime.stop_signal = signum
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)

@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -27,7 +27,7 @@ from rtp.log import get_logger
 from rtp.outputs import RequestOutput
 from rtp.runtime.detokenizer import IncrementalDetokenizer
 from rtp.runtime.model_runner import ModelRunner
-from rtp.runtime.sampler import SampleRow, Sampler
+from rtp.runtime.sampler import Sampler, SampleRow
 from rtp.sampling import SamplingParams
 
 logger = get_logger(__name__)
@@ -100,7 +100,8 @@ class Engine:
             raise RequestError("the prompt is empty: give at least one token")
         bad = [t for t in ids if not 0 <= t < self.runner.spec.vocab_size]
         if bad:
-            raise RequestError(f"token id {bad[0]} is out of range: the vocabulary has {self.runner.spec.vocab_size} ids")
+            vocab = self.runner.spec.vocab_size
+            raise RequestError(f"token id {bad[0]} is out of range: the vocabulary has {vocab} ids")
         return ids
 
     def add_request(

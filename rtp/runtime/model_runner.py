@@ -97,7 +97,9 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         if use_flash and not enforce_eager:
             max_blocks = -(-self.max_model_len // block_size)
-            self.graphs = CudaGraphs(self.model, ps.device, cuda_graph_max_batch, max_blocks, self.spec.hidden_size, self.dtype)
+            self.graphs = CudaGraphs(
+                self.model, ps.device, cuda_graph_max_batch, max_blocks, self.spec.hidden_size, self.dtype
+            )
 
     @torch.inference_mode()
     def _profile_peak(self, num_tokens: int) -> int:
@@ -146,7 +148,8 @@ class ModelRunner:
         if batch.num_tokens == 0:
             return None
         ids, pos, meta = self.to_device(batch)
-        if self.graphs is not None and meta.decode_only and self.graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
+        use_graph = self.graphs is not None and meta.decode_only
+        if use_graph and self.graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
             hidden = self.graphs.run(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta)  # [T, hidden]
@@ -163,7 +166,13 @@ class CudaGraphs:
     """
 
     def __init__(
-        self, model: Qwen3ForCausalLM, device: torch.device, max_batch: int, max_blocks: int, hidden: int, dtype: torch.dtype
+        self,
+        model: Qwen3ForCausalLM,
+        device: torch.device,
+        max_batch: int,
+        max_blocks: int,
+        hidden: int,
+        dtype: torch.dtype,
     ) -> None:
         self.model, self.device = model, device
         self.sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_batch + 1, 16)] if s <= max_batch})

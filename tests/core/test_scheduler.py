@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from rtp.core.block_manager import hash_block
-from rtp.core.scheduler import ScheduleResult, Scheduler, SchedulerConfig
+from rtp.core.scheduler import Scheduler, SchedulerConfig, ScheduleResult
 from rtp.core.sequence import Sequence, SequenceStatus
 from rtp.errors import ConfigError, RequestError
 from rtp.sampling import SamplingParams

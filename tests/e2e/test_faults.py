@@ -128,7 +128,9 @@ def test_sigterm_shuts_down_cleanly(long_job):
     rc = run.wait(timeout=BOUND_S + 30)
     assert time.monotonic() - t0 < BOUND_S
     assert rc in (0, 143, -15, 1), run.output[-3000:]  # 0 or the conventional signal code
-    assert "Traceback" not in run.output, run.output[-3000:]
+    # torchrun prints its own traceback when it is signalled; the ranks must log no error.
+    assert f'File "{REPO / "rtp"}' not in run.output and "ERROR" not in run.output, run.output[-3000:]
+    assert "shutting down after the current step" in run.output
     assert not segments_of(pids[0])
     assert not any(pid_alive(p) for p in pids.values())
 
@@ -149,7 +151,7 @@ def test_two_runs_side_by_side(tmp_path):
 @pytest.mark.parametrize(
     "nproc, args, words",
     [
-        (2, ["--config", "configs/1xH100.yaml"], ["tensor_parallel_size"]),  # TP fixed at 1, started with 2 ranks
+        (2, ["--config", "{tp1}"], ["tensor_parallel_size", "1", "2"]),  # TP fixed at 1, started with 2 ranks
         (3, [], ["num_attention_heads=4", "3"]),  # 4 heads cannot be split 3 ways
         (2, ["--config", "{bad_key}"], ["blok_size", "block_size"]),
         (2, ["--config", "{bad_value}"], ["max_num_seqs", "-1"]),
@@ -157,9 +159,11 @@ def test_two_runs_side_by_side(tmp_path):
     ],
 )
 def test_bad_setup_gives_one_clear_error_and_every_rank_fails(tmp_path, nproc, args, words):
+    (tmp_path / "tp1.yaml").write_text("tensor_parallel_size: 1\ndevice: cpu\n")
     (tmp_path / "bad_key.yaml").write_text("blok_size: 16\n")
     (tmp_path / "bad_value.yaml").write_text("max_num_seqs: -1\n")
-    args = [a.format(bad_key=tmp_path / "bad_key.yaml", bad_value=tmp_path / "bad_value.yaml") for a in args]
+    files = {name: tmp_path / f"{name}.yaml" for name in ("tp1", "bad_key", "bad_value")}
+    args = [a.format(**files) for a in args]
     run = Run(nproc, "launch/generate.py", "--max-tokens", "4", *args)
     try:
         rc = run.wait(timeout=120)
@@ -170,4 +174,6 @@ def test_bad_setup_gives_one_clear_error_and_every_rank_fails(tmp_path, nproc, a
     assert len(errors) == 1, run.output[-3000:]  # reported once, by rank 0
     for w in words:
         assert w in errors[0], errors[0]
-    assert "Traceback" not in run.output, run.output[-3000:]
+    # torchrun prints its own summary traceback; none may come from rtp.
+    for ours in ("rtp", "launch"):
+        assert f'File "{REPO / ours}' not in run.output, run.output[-3000:]

@@ -28,7 +28,8 @@ def workload(tmp_path_factory):
     model = default_model_dir()
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in LENGTHS]
-    lines = [{"prompt_token_ids": p, "temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in prompts]
+    lines = [{"prompt_token_ids": p, "temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 2}
+             for p in prompts]
     (root / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     # 24 blocks x 16 tokens = 384 slots for ~1,200 tokens of work: sequences must be preempted.
     # 48 tokens per step: prompts longer than that are prefilled in chunks.
@@ -39,7 +40,10 @@ def workload(tmp_path_factory):
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-    return root, ref
+        # log_softmax of HF's logits at every generated position: [MAX_TOKENS, vocab] per prompt
+        ref_logprobs = [torch.log_softmax(hf(torch.tensor([p + r])).logits[0, len(p) - 1 : -1], -1)
+                        for p, r in zip(prompts, ref)]
+    return root, ref, ref_logprobs
 
 
 def run_generate(root, tp: int) -> tuple[list[dict], str]:
@@ -58,12 +62,18 @@ def run_generate(root, tp: int) -> tuple[list[dict], str]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_generate_matches_hf_greedy_under_preemption_and_chunking(workload, tp):
-    root, ref = workload
+    root, ref, ref_logprobs = workload
     results, log = run_generate(root, tp)
     assert len(results) == len(ref)
-    for i, (r, want) in enumerate(zip(results, ref)):
+    for i, (r, want, lp) in enumerate(zip(results, ref, ref_logprobs)):
         assert r["token_ids"] == want, f"prompt {i} (length {LENGTHS[i]}) at TP={tp}"
         assert r["finish_reason"] == "length"
+        # Top-2 log-probabilities of every position (plus the sampled token) equal HF's log_softmax.
+        for pos, entry in enumerate(r["logprobs"]):
+            top2 = set(lp[pos].topk(2).indices.tolist()) | {want[pos]}
+            assert {int(t) for t in entry} == top2
+            for token, value in entry.items():
+                assert abs(value - lp[pos, int(token)].item()) < 1e-4
     m = re.search(r"(\d+) prompt tokens computed, (\d+) prefix-cache hits, (\d+) decode tokens, (\d+) preemptions", log)
     assert m, log[-3000:]
     computed, _, _, preemptions = map(int, m.groups())

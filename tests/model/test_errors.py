@@ -28,7 +28,8 @@ def tiny(tmp_path_factory):
     "spec, tp, words",
     [
         (TinyQwen3Spec(), 3, ["num_attention_heads=4", "3"]),
-        (TinyQwen3Spec(num_attention_heads=6, num_key_value_heads=6, hidden_size=96), 4, ["num_attention_heads=6", "4"]),
+        (TinyQwen3Spec(num_attention_heads=6, num_key_value_heads=6, hidden_size=96), 4,
+         ["num_attention_heads=6", "4"]),
         (TinyQwen3Spec(num_attention_heads=8, num_key_value_heads=4, hidden_size=128, intermediate_size=100), 8,
          ["intermediate_size=100", "8"]),
         (TinyQwen3Spec(num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=96), 2,

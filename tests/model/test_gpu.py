@@ -63,7 +63,7 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
                              enforce_eager=eager, cuda_graph_max_batch=8)
         prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
         logits = [runner.execute(StepPlan(new_seqs=[NewSeq(i, p, [i], 0, len(p)) for i, p in enumerate(prompts)]))]
-        for step in range(5):
+        for _ in range(5):
             nxt = logits[-1].argmax(-1).tolist()
             logits.append(runner.execute(StepPlan(cached_seqs=[CachedSeq(i, 1, [nxt[i]], []) for i in range(2)])))
         assert (runner.graphs is None) == eager

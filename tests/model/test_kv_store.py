@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from rtp.kernels.kv_store import store_kv, store_kv_reference
+from rtp.kernels.kv_store import store_kv
 
 CHECK = r"""
 import torch

@@ -28,7 +28,9 @@ def run_model(ps: ParallelState, model_dir: str, prompts: list[list[int]], steps
         next_block -= n
     # Step 1: every prompt in full except prompt 0, whose last 3 tokens come in a second
     # chunk: that exercises attention over a cached prefix.
-    first = StepPlan(new_seqs=[NewSeq(i, p, tables[i], 0, len(p) - (3 if i == 0 else 0)) for i, p in enumerate(prompts)])
+    first = StepPlan(
+        new_seqs=[NewSeq(i, p, tables[i], 0, len(p) - (3 if i == 0 else 0)) for i, p in enumerate(prompts)]
+    )
     logits = runner.execute(first)
     second = runner.execute(StepPlan(cached_seqs=[CachedSeq(0, 3, [], [])]))
     tokens = [[] for _ in prompts]

@@ -1,0 +1,365 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+Every error reaches the client as OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``: 400 for bad input, 401
+for a missing or wrong API key, 404 for an unknown model or route, 413 for a
+body over ``server.max_request_bytes``, 503 once the runtime failed or while
+it shuts down, and a generic 500 (the traceback goes to the log only).
+Streams use server-sent events in OpenAI's chunk format and end with
+``data: [DONE]``; an error after the stream started arrives as one
+``data: {"error": ...}`` event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from rtp.config import RtpConfig
+from rtp.errors import RequestError, RtpError
+from rtp.log import get_logger
+from rtp.outputs import RequestOutput
+from rtp.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerShuttingDownError
+from rtp.server.metrics import ServerMetrics
+from rtp.server.protocol import ApiError, ChatCompletionRequest, CommonRequest, CompletionRequest, resolve_max_tokens
+from rtp.server.responses import ResponseBuilder
+
+logger = get_logger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# pydantic names union members in error locations ("prompt", "str"); they are no field names.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|literal\[.*|function-.*|.*\[.*\].*)$")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that closes its request stream however the response ends.
+
+    The event generator's own ``finally`` does not run if the response is
+    cancelled before the generator was first entered (a client that leaves
+    right away); this catches that case too.
+    """
+
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self.request_stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.request_stream.close()
+
+
+def _param_of(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(x) for x in loc if not (isinstance(x, str) and _TYPE_TAG.match(x)))
+
+
+def _runtime_error(e: Exception, prompt_param: str) -> ApiError:
+    """The HTTP error for an exception raised while submitting or running a request."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RequestError):
+        m = re.match(r"SamplingParams\.(\w+)=", str(e))
+        return ApiError(400, str(e), m.group(1) if m else prompt_param)
+    if isinstance(e, (EngineDeadError, ServerShuttingDownError)):
+        return ApiError(503, str(e), type="server_error", code="service_unavailable")
+    if isinstance(e, RtpError):
+        return ApiError(500, str(e), type="server_error")
+    logger.error("request failed", exc_info=e)
+    return ApiError(500, "internal server error (see the server log)", type="server_error")
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _Tracker:
+    """Per-request metrics bookkeeping: token counts, inter-token gaps, the final outcome."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+        self.metrics, self.num_prompt_tokens = metrics, num_prompt_tokens
+        self.seen = 0  # generated tokens already accounted for
+        self.last_time: float | None = None
+        self.last: RequestOutput | None = None
+
+    def update(self, out: RequestOutput) -> None:
+        n, now = len(out.token_ids) - self.seen, time.monotonic()
+        if self.last_time is None:
+            self.metrics.observe_first_tokens(n)
+        else:
+            self.metrics.observe_tokens(n, now - self.last_time)
+        if n > 0:
+            self.last_time = now
+        self.seen, self.last = len(out.token_ids), out
+
+    def done(self) -> None:
+        reason = self.last.finish_reason if self.last is not None and self.last.finished else "abort"
+        self.metrics.observe_finished(self.last, self.num_prompt_tokens, reason or "abort")
+
+
+class _Api:
+    """The endpoints of one app, bound to one AsyncEngine."""
+
+    def __init__(self, engine: AsyncEngine, config: RtpConfig, model_name: str) -> None:
+        self.engine, self.server, self.model_name = engine, config.server, model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = int(engine.engine.max_model_len)
+        self.metrics = ServerMetrics(lambda: self.engine.stats)
+        self.created = int(time.time())
+
+    # ---- request plumbing ----
+
+    async def auth(self, request: Request) -> None:
+        """FastAPI dependency: require "Authorization: Bearer <key>" when an API key is configured."""
+        key = self.server.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def read_body(self, request: Request, model: type[BaseModel]) -> Any:
+        """Parse the JSON body into ``model``; 413 past max_request_bytes, 400 for anything malformed."""
+        limit = self.server.max_request_bytes
+        too_large = ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise too_large if length.isdigit() else ApiError(400, "invalid Content-Length header")
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+        except ClientDisconnect:
+            raise _ClientGone() from None
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = _param_of(err["loc"])
+            raise ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param or None) from None
+
+    def check_model(self, req: CommonRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"the model {req.model!r} does not exist: this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def submit(self, req: CommonRequest, prompt: str | list[int], logprobs: int | None, prefix: str,
+               prompt_param: str) -> tuple[RequestStream, list[int], str]:
+        """Tokenize, build SamplingParams and queue the request: (stream, prompt ids, request id)."""
+        try:
+            ids = self.engine.engine.tokenize(prompt)
+            req_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            max_tokens = resolve_max_tokens(req.requested_max_tokens(), self.server, len(ids), self.max_model_len,
+                                            req_param, prompt_param)
+            params = req.sampling_params(max_tokens, logprobs)
+            rid = f"{prefix}-{uuid.uuid4().hex}"
+            return self.engine.add_request(ids, params, rid), ids, rid
+        except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
+            raise _runtime_error(e, prompt_param) from None
+
+    async def collect(self, request: Request, stream: RequestStream, num_prompt_tokens: int) -> RequestOutput:
+        """Wait for the final output; abort the request if the client disconnects first."""
+        tracker = _Tracker(self.metrics, num_prompt_tokens)
+
+        async def consume() -> RequestOutput:
+            async for out in stream:
+                tracker.update(out)
+            assert tracker.last is not None and tracker.last.finished, "a stream ends with its final output"
+            return tracker.last
+
+        async def disconnected() -> None:
+            # After the body was read, receive() returns only when the client goes away.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise _ClientGone()
+            return work.result()
+        finally:
+            for task in (work, watch):
+                task.cancel()
+            stream.close()
+            tracker.done()
+
+    async def stream_events(self, stream: RequestStream, num_prompt_tokens: int, build: ResponseBuilder,
+                            include_usage: bool) -> AsyncIterator[str]:
+        """SSE events of one request; closing the generator (a disconnect) aborts the request."""
+        tracker = _Tracker(self.metrics, num_prompt_tokens)
+        try:
+            first = build.first_chunk()
+            if first is not None:
+                yield _sse(first)
+            async for out in stream:
+                start = tracker.seen
+                tracker.update(out)
+                chunk = build.chunk(out, start)
+                if chunk is not None:
+                    yield _sse(chunk)
+            if include_usage and tracker.last is not None:
+                yield _sse(build.usage_chunk(tracker.last))
+        except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+            yield _sse(_runtime_error(e, "prompt").body())
+        finally:
+            stream.close()
+            tracker.done()
+        yield _sse("[DONE]")
+
+    # ---- endpoints ----
+
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = await self.read_body(request, CompletionRequest)
+        self.check_model(req)
+        req.check_supported()
+        stream, ids, rid = self.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt")
+        build = ResponseBuilder("text_completion", rid, self.model_name, self.tokenizer, len(ids), req.logprobs)
+        return await self.respond(request, req, stream, ids, build)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req: ChatCompletionRequest = await self.read_body(request, ChatCompletionRequest)
+        self.check_model(req)
+        req.check_supported()
+        try:
+            text = self.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True,
+                                                      tokenize=False)
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - jinja errors: the template rejected these messages
+            raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        stream, ids, rid = self.submit(req, text, req.num_logprobs(), "chatcmpl", "messages")
+        build = ResponseBuilder("chat.completion", rid, self.model_name, self.tokenizer, len(ids),
+                                req.num_logprobs())
+        return await self.respond(request, req, stream, ids, build)
+
+    async def respond(self, request: Request, req: CommonRequest, stream: RequestStream, ids: list[int],
+                      build: ResponseBuilder) -> Response:
+        if req.stream:
+            return _EventStream(self.stream_events(stream, len(ids), build, req.include_usage), stream)
+        try:
+            out = await self.collect(request, stream, len(ids))
+        except _ClientGone:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise _runtime_error(e, "prompt") from None
+        return JSONResponse(build.full_response(out))
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        if model_id != self.model_name:
+            raise ApiError(404, f"the model {model_id!r} does not exist: this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+        return self.model_card()
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rtp",
+                "max_model_len": self.max_model_len}
+
+    async def health(self) -> Response:
+        if self.engine.running:
+            return JSONResponse({"status": "ok"})
+        reason = self.engine.failure or "not serving (starting or shutting down)"
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    async def prometheus(self) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+
+def _guard(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Turn an unexpected exception into ApiError(500) here, so its traceback is logged once."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except (ApiError, _ClientGone):
+            raise
+        except Exception as e:  # noqa: BLE001
+            logger.error("unexpected error in %s", fn.__name__, exc_info=e)
+            raise ApiError(500, "internal server error (see the server log)", type="server_error") from None
+
+    return wrapper
+
+
+def build_app(async_engine: AsyncEngine, config: RtpConfig, model_name: str) -> FastAPI:
+    """The FastAPI app serving ``async_engine``; its lifespan starts and stops the engine thread."""
+    api = _Api(async_engine, config, model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_engine.stop)
+
+    app = FastAPI(title="rtp", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.api = api
+    auth = [Depends(api.auth)]
+    app.add_api_route("/v1/completions", _guard(api.completions), methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions", _guard(api.chat_completions), methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/models", _guard(api.models), methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/models/{model_id:path}", _guard(api.model), methods=["GET"], dependencies=auth)
+    app.add_api_route("/metrics", _guard(api.prometheus), methods=["GET"], dependencies=auth)
+    app.add_api_route("/health", api.health, methods=["GET"])
+
+    def error_response(e: ApiError) -> JSONResponse:
+        api.metrics.observe_error(e.status)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(_ClientGone)
+    async def on_client_gone(request: Request, e: _ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(ApiError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        return error_response(ApiError(400, str(err["msg"]), _param_of(tuple(err["loc"])) or None))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, e: Exception) -> JSONResponse:
+        logger.error("unhandled error", exc_info=e)
+        return error_response(ApiError(500, "internal server error (see the server log)", type="server_error"))
+
+    return app

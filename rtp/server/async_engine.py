@@ -1,0 +1,251 @@
+"""Drive the engine from a dedicated thread and hand its outputs to asyncio.
+
+``Engine.step`` must be called from one thread, and it blocks for the length
+of a forward pass, so it cannot run on the server's event loop. The engine
+thread steps while any request is unfinished (continuous batching across HTTP
+requests) and sleeps on an Event when idle. Every output is copied (the engine
+mutates its RequestOutput objects in place step after step) and handed to the
+event loop with ``loop.call_soon_threadsafe`` into the request's own
+``asyncio.Queue``.
+
+A consumer that stops early (a client disconnected, a task was cancelled)
+closes its :class:`RequestStream`, which aborts the request in the engine so
+its KV blocks are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from rtp.errors import RequestError, RtpError, WorkerDiedError
+from rtp.log import get_logger
+from rtp.outputs import RequestOutput
+from rtp.sampling import SamplingParams
+
+logger = get_logger(__name__)
+
+
+class EngineDeadError(RtpError):
+    """The runtime failed (a rank died or the engine thread crashed); no request can be served."""
+
+
+class ServerShuttingDownError(RtpError):
+    """The server is stopping and the request did not finish within the shutdown grace period."""
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the engine thread will not mutate any more (lists are appended to in place)."""
+    return dataclasses.replace(
+        out,
+        token_ids=list(out.token_ids),
+        new_token_ids=list(out.new_token_ids),
+        logprobs=None if out.logprobs is None else list(out.logprobs),
+    )
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; ``close()`` aborts it if unfinished."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self.closed = False
+        self._owner = owner
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Deliver an output or an error from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Stop listening; abort the request in the engine unless it already finished. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._owner._forget(self.request_id, abort=not self.finished)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class AsyncEngine:
+    """An Engine stepped by its own thread, with per-request async output streams.
+
+    ``engine`` is an :class:`rtp.runtime.engine.Engine` (or an object with the
+    same methods: add_request, abort, step, has_unfinished, stats). Call
+    :meth:`start` once an event loop is about to serve, :meth:`stop` after the
+    last request finished.
+    """
+
+    def __init__(self, engine: Any, idle_wait_s: float = 1.0, step: Callable[[], list] | None = None) -> None:
+        self.engine = engine
+        # Runtime.step by default in the server: it turns a failed collective into an error naming the dead rank.
+        self._step = step  # None: engine.step, looked up at each step
+        self.idle_wait_s = idle_wait_s
+        self.on_dead: list[Callable[[str], None]] = []  # called once when the engine thread fails
+        self.failure: str | None = None  # why the engine cannot serve any more
+        self.stats: dict[str, float] = {}  # the last snapshot of engine.stats(), refreshed by the engine thread
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()  # guards _streams
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ----
+
+    @property
+    def running(self) -> bool:
+        """True while the engine thread serves and nothing failed."""
+        return self._thread is not None and self._thread.is_alive() and self.failure is None \
+            and not self._stop.is_set()
+
+    def start(self) -> None:
+        """Start the engine thread (once)."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() was already called")
+        self.stats = dict(self.engine.stats())
+        self._thread = threading.Thread(target=self._run, name="rtp-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread after its current step; end any stream still open. Idempotent."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.error("the engine thread did not stop within %.0f s", timeout)
+        self._end_all(ServerShuttingDownError("the server stopped before the request finished"))
+
+    def fail(self, message: str) -> None:
+        """End every stream with EngineDeadError and refuse new requests (the runtime's failure hook)."""
+        if self.failure is None:
+            self.failure = message
+        self._end_all(EngineDeadError(message))
+        self._wake.set()
+
+    def abort_all(self, message: str = "the server is shutting down and the request did not finish in time") -> int:
+        """End every open stream with ServerShuttingDownError (their requests are aborted as they close).
+
+        Returns the number of streams ended.
+        """
+        return self._end_all(ServerShuttingDownError(message))
+
+    # ---- requests (event loop thread) ----
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Submit a request and return its output stream.
+
+        Raises RequestError (a ValueError) for a prompt the engine can never
+        serve and EngineDeadError once the runtime has failed; nothing is
+        queued in either case. Must be called from a running event loop.
+        """
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        if self._stop.is_set():
+            raise ServerShuttingDownError("the server is shutting down")
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        try:
+            self.engine.add_request(prompt, params, request_id)
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            stream.closed = True
+            raise
+        self._wake.set()
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step that changed it; abort it if the caller stops early."""
+        stream = self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread (its stream, if open, ends without a final output)."""
+        self._forget(request_id, abort=True)
+
+    def _forget(self, request_id: str, abort: bool) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+        if abort:
+            self.engine.abort(request_id)
+            self._wake.set()
+
+    def _end_all(self, error: BaseException) -> int:
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(error)
+        return len(streams)
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                # Clear before checking, so a request added after the check still wakes us.
+                self._wake.clear()
+                if self.failure is not None or not self.engine.has_unfinished():
+                    self._wake.wait(self.idle_wait_s)
+                    continue
+                outputs = self._step() if self._step is not None else self.engine.step()
+                self.stats = dict(self.engine.stats())
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as e:  # noqa: BLE001 - a crashed engine thread must fail every client
+            logger.exception("the engine thread failed")
+            # Clients get the exception type only; the details are in the log above.
+            message = (
+                str(e) if isinstance(e, WorkerDiedError)
+                else f"the engine failed ({type(e).__name__}; see the server log)"
+            )
+            self.fail(message)
+            for hook in self.on_dead:
+                try:
+                    hook(message)
+                except Exception:  # noqa: BLE001
+                    logger.exception("on_dead hook raised")
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(out.request_id)
+            if stream is not None and out.finished:
+                del self._streams[out.request_id]
+        if stream is None:
+            return  # the client went away; the request is being aborted
+        if out.finished and out.error is not None:
+            # Without a runtime failure, a request-level error is the engine refusing this request.
+            stream.put(EngineDeadError(out.error) if self.failure else RequestError(out.error))
+        else:
+            stream.put(_snapshot(out))

@@ -1,0 +1,95 @@
+"""Prometheus metrics of one server, in a registry of its own (never the global one).
+
+Request-level metrics (token counters, latency histograms) are observed by the
+API layer as requests finish; engine gauges (running/waiting requests, KV-cache
+usage, prefix-cache hit rate) are read from the engine's last stats snapshot
+at scrape time, so a scrape never touches the scheduler from the HTTP thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from rtp.outputs import RequestOutput
+
+# Latency buckets in seconds: from a few ms (tiny models, decode steps) to minutes (long generations).
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Turns the engine's stats snapshot into gauges at scrape time."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats() or {}
+        yield GaugeMetricFamily("rtp_requests_running", "Requests in the running batch.",
+                                value=s.get("num_running", 0))
+        yield GaugeMetricFamily("rtp_requests_waiting", "Requests queued for admission.",
+                                value=s.get("num_waiting", 0))
+        yield GaugeMetricFamily("rtp_kv_cache_usage_ratio", "Fraction of KV blocks held by running requests.",
+                                value=s.get("kv_usage", 0.0))
+        yield GaugeMetricFamily("rtp_kv_cache_blocks", "KV blocks per rank.", value=s.get("num_blocks", 0))
+        query = s.get("prefix_query_tokens", 0)
+        yield GaugeMetricFamily("rtp_prefix_cache_hit_rate",
+                                "Prompt tokens served by the prefix cache / prompt tokens looked up (cumulative).",
+                                value=s.get("prefix_hit_tokens", 0) / query if query else 0.0)
+        yield CounterMetricFamily("rtp_preemptions", "Requests preempted to free KV blocks.",
+                                  value=s.get("num_preemptions", 0))
+
+
+class ServerMetrics:
+    """The server's metrics; ``stats`` returns the engine's latest stats dict."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("rtp_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("rtp_generation_tokens", "Generated tokens.", registry=r)
+        self.requests = Counter("rtp_requests_finished", "Finished requests by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.errors = Counter("rtp_http_errors", "Error responses by HTTP status.", ["status"], registry=r)
+        self.ttft = Histogram("rtp_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("rtp_inter_token_latency_seconds", "Time between two tokens of a request.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("rtp_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        r.register(_EngineStatsCollector(stats))
+
+    def observe_tokens(self, num_tokens: int, seconds: float) -> None:
+        """``num_tokens`` new tokens arrived ``seconds`` after the previous ones."""
+        if num_tokens > 0:
+            self.generation_tokens.inc(num_tokens)
+            for _ in range(num_tokens):
+                self.itl.observe(seconds / num_tokens)
+
+    def observe_first_tokens(self, num_tokens: int) -> None:
+        """The first output of a request brought ``num_tokens`` tokens (no inter-token gap before them)."""
+        if num_tokens > 0:
+            self.generation_tokens.inc(num_tokens)
+
+    def observe_finished(self, out: RequestOutput | None, num_prompt_tokens: int, finish_reason: str) -> None:
+        """A request ended (``out`` is its last output, None when none arrived)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.requests.labels(finish_reason=finish_reason).inc()
+        if out is None:
+            return
+        if out.first_token_time is not None and out.arrival_time:
+            self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
+        if out.finish_time is not None and out.arrival_time:
+            self.e2e.observe(max(0.0, out.finish_time - out.arrival_time))
+
+    def observe_error(self, status: int) -> None:
+        self.errors.labels(status=str(status)).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,138 @@
+"""Run the HTTP server on rank 0 with uvicorn, with a bounded graceful shutdown.
+
+SIGTERM or SIGINT: uvicorn stops accepting connections and waits for the
+running requests; after ``server.shutdown_grace_s`` the ones still running
+are ended with an error (a 503 body, or an error event in a stream) and
+aborted in the engine. Then the engine thread stops, and only then may the
+caller run ``rtp.shutdown()``: the engine thread is the single writer of the
+step channel, so it must be gone before the shutdown message is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from rtp.errors import RtpError
+from rtp.log import get_logger
+from rtp.server.api import build_app
+from rtp.server.async_engine import AsyncEngine
+
+logger = get_logger(__name__)
+
+# Extra seconds uvicorn waits after the grace period before it cancels request tasks
+# outright; by then every stream was already ended cleanly by AsyncEngine.abort_all.
+_CANCEL_MARGIN_S = 3.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 lets the OS pick a free port."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise RtpError(f"cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+        sock.set_inheritable(False)
+    except OSError as e:
+        sock.close()
+        raise RtpError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def socket_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus the "serving on" line and the bounded drain of running requests."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, url: str, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.url, self.grace_s = engine, url, grace_s
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            logger.info("serving on %s", self.url)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        logger.info("stopping: running requests have %.0f s to finish", self.grace_s)
+        timer = asyncio.get_running_loop().call_later(self.grace_s, self._abort_running)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _abort_running(self) -> None:
+        n = self.engine.abort_all()
+        if n:
+            logger.warning("aborted %d request(s) still running after the %.0f s grace period", n, self.grace_s)
+
+
+def _route_uvicorn_logs() -> None:
+    """Send uvicorn's log lines through rtp's handler (same format, rank prefix)."""
+    handlers = [h for h in logging.getLogger("rtp").handlers if getattr(h, "_rtp", False)]
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        log = logging.getLogger(name)
+        log.handlers = list(handlers) if name == "uvicorn" else []
+        log.propagate = name != "uvicorn"
+        log.setLevel(logging.INFO)
+
+
+def run_server(runtime: Any, sock: socket.socket | None = None, access_log: bool = False) -> int:
+    """Serve ``runtime`` (rank 0's Runtime) until SIGTERM/SIGINT; returns the exit code (0 after a clean stop).
+
+    ``sock`` is a listening socket from :func:`bind_socket`; None binds
+    ``config.server.host``/``port`` now. The socket is closed on return.
+    """
+    config = runtime.config
+    server_cfg = config.server
+    engine = AsyncEngine(runtime.engine, step=runtime.step)
+    runtime.on_failure.append(engine.fail)
+    model_name = server_cfg.served_model_name or Path(runtime.engine.model_dir).name
+    app = build_app(engine, config, model_name)
+    sock = sock if sock is not None else bind_socket(server_cfg.host, server_cfg.port)
+    _route_uvicorn_logs()
+    uv_config = uvicorn.Config(
+        app, log_config=None, access_log=access_log, lifespan="on",
+        timeout_graceful_shutdown=int(server_cfg.shutdown_grace_s + _CANCEL_MARGIN_S),
+    )
+    server = _Server(uv_config, engine, socket_url(sock), server_cfg.shutdown_grace_s)
+    exit_code = 0
+
+    def engine_died(message: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True  # a server without an engine only answers errors: stop it
+
+    engine.on_dead.append(engine_died)
+    # uvicorn captures SIGTERM/SIGINT while it runs and re-raises them to the previous
+    # handlers once it stopped; make those previous handlers inert so that a graceful
+    # stop ends with exit code 0 instead of the runtime's SystemExit(128 + signum).
+    # They stay replaced afterwards: the shutdown is under way by then.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore_late_signal)
+    logger.info("model %r (max_model_len=%d), API key %s", model_name, runtime.engine.max_model_len,
+                "required" if server_cfg.api_key else "not required")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        engine.stop()  # normally done by the app's lifespan already; not after a forced exit
+    return exit_code
+
+
+def _ignore_late_signal(signum: int, frame: Any) -> None:  # noqa: ANN401
+    logger.info("%s: already shutting down", signal.Signals(signum).name)

@@ -1,0 +1,29 @@
+"""launch/generate.py rejects bad JSONL lines with their line number, before starting any rank."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.utils import REPO
+
+BAD_LINES = [
+    ("not json", "2:"),
+    (json.dumps([1, 2]), "expected a JSON object"),
+    (json.dumps({"prompt": "a", "prompt_token_ids": [1]}), "exactly one of"),
+    (json.dumps({"prompt": "a", "temprature": 0.5}), "temprature"),
+    (json.dumps({"prompt": "a", "max_tokens": -1}), "max_tokens"),
+    (json.dumps({"prompt": "a", "top_p": "high"}), "top_p"),
+]
+
+
+@pytest.mark.parametrize("line, words", BAD_LINES)
+def test_bad_line_is_reported_with_its_number(tmp_path, line, words):
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + line + "\n")
+    proc = subprocess.run([sys.executable, "launch/generate.py", "--prompts-file", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert f"{path}:2:" in proc.stderr and words in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

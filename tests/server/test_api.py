@@ -1,0 +1,559 @@
+"""The HTTP API against a fake engine: request mapping, errors, auth, SSE, usage, metrics, disconnects.
+
+The fake implements the Engine interface the server uses (tokenize,
+add_request, abort, step, has_unfinished, stats, tokenizer, max_model_len,
+model_dir) with the real tiny-model tokenizer and a fixed token pattern, so
+every expected text below is computed independently from the tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
+
+from rtp.config import load_config
+from rtp.errors import RequestError
+from rtp.outputs import RequestOutput
+from rtp.sampling import SamplingParams
+from rtp.server import AsyncEngine, build_app
+from rtp.testing import default_model_dir
+
+MODEL = "fake-model"
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+
+
+def pattern_ids(tokenizer) -> list[int]:
+    """The tokens the fake generates, in a cycle."""
+    return tokenizer.encode(" the cat sat on the mat", add_special_tokens=False)
+
+
+class FakeEngine:
+    """One token per request per step from a fixed cycle; records what the server asked for."""
+
+    def __init__(self, tokenizer, step_delay_s: float = 0.0) -> None:
+        self.tokenizer, self.max_model_len, self.model_dir = tokenizer, MAX_MODEL_LEN, Path("/models") / MODEL
+        self.step_delay_s = step_delay_s
+        self.pattern = pattern_ids(tokenizer)
+        self.added: list[tuple[list[int], SamplingParams, str]] = []
+        self.aborted: list[str] = []
+        self.max_batch = 0
+        self.fail_tokenize: Exception | None = None
+        self.refuse_at_step: str | None = None  # finish new requests at their first step with this error
+        self._lock = threading.Lock()
+        self._live: dict[str, RequestOutput] = {}
+        self._params: dict[str, SamplingParams] = {}
+        self._pending_aborts: list[str] = []
+
+    def tokenize(self, prompt):
+        if self.fail_tokenize is not None:
+            raise self.fail_tokenize
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return ids
+
+    def add_request(self, prompt, params=None, request_id=None):
+        ids = self.tokenize(prompt)
+        if len(ids) + (params.max_tokens or 1) > self.max_model_len:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens exceeds max_model_len={self.max_model_len}")
+        with self._lock:
+            self.added.append((ids, params, request_id))
+            self._live[request_id] = RequestOutput(request_id, None, ids, arrival_time=time.time(),
+                                                   logprobs=[] if params.logprobs is not None else None)
+            self._params[request_id] = params
+        return request_id
+
+    def abort(self, request_id):
+        with self._lock:
+            self.aborted.append(request_id)
+            self._pending_aborts.append(request_id)
+
+    def has_unfinished(self):
+        with self._lock:
+            return bool(self._live) or bool(self._pending_aborts)
+
+    def step(self):
+        time.sleep(self.step_delay_s)
+        with self._lock:
+            for rid in self._pending_aborts:
+                self._live.pop(rid, None)
+            self._pending_aborts.clear()
+            self.max_batch = max(self.max_batch, len(self._live))
+            outs = []
+            for rid, out in list(self._live.items()):
+                params = self._params[rid]
+                if self.refuse_at_step is not None:
+                    out.finish_reason, out.error, out.finish_time = "abort", self.refuse_at_step, time.time()
+                    del self._live[rid]
+                    outs.append(out)
+                    continue
+                token = self.pattern[len(out.token_ids) % len(self.pattern)]
+                out.token_ids.append(token)
+                out.new_token_ids = [token]
+                if out.logprobs is not None:
+                    out.logprobs.append({token: -0.25, (token + 1) % 500: -1.5, (token + 2) % 500: -2.5})
+                out.first_token_time = out.first_token_time or time.time()
+                new_text = self.tokenizer.decode(out.token_ids)
+                out.new_text, out.text = new_text[len(out.text):], new_text
+                if len(out.token_ids) >= params.max_tokens:
+                    out.finish_reason, out.finish_time = "length", time.time()
+                    del self._live[rid]
+                outs.append(out)
+            return outs
+
+    def stats(self):
+        with self._lock:
+            n = len(self._live)
+        return {"num_running": n, "num_waiting": 0, "kv_usage": n / 8, "num_blocks": 8,
+                "prefix_query_tokens": 10, "prefix_hit_tokens": 4, "num_preemptions": 0}
+
+
+def expected_text(tokenizer, n: int) -> str:
+    p = pattern_ids(tokenizer)
+    return tokenizer.decode([p[i % len(p)] for i in range(n)])
+
+
+def make_app(tokenizer, step_delay_s: float = 0.0, **server):
+    engine = FakeEngine(tokenizer, step_delay_s)
+    config = load_config(None, server={"max_tokens_limit": 40, "default_max_tokens": 12, **server})
+    async_engine = AsyncEngine(engine)
+    return build_app(async_engine, config, MODEL), engine, async_engine
+
+
+@pytest.fixture
+def served(tokenizer):
+    app, engine, async_engine = make_app(tokenizer)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, engine, async_engine
+
+
+def sse_events(text: str) -> list:
+    """Parse an SSE body: every event is 'data: ...' followed by a blank line."""
+    assert text.endswith("\n\n"), text[-200:]
+    events = []
+    for block in text.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ---------------------------------------------------------------------------- happy paths
+
+
+def test_completion_text_usage_and_default_max_tokens(served, tokenizer):
+    client, engine, _ = served
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids, params, rid = engine.added[-1]
+    assert params.max_tokens == 12 and params.temperature == 0.0  # server.default_max_tokens
+    assert body["id"] == rid and rid.startswith("cmpl-") and body["object"] == "text_completion"
+    choice = body["choices"][0]
+    assert choice["text"] == expected_text(tokenizer, 12) and choice["finish_reason"] == "length"
+    assert ids == tokenizer.encode("Once upon a time", add_special_tokens=False)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["usage"]["completion_tokens"] == 12
+    assert body["usage"]["total_tokens"] == len(ids) + 12
+
+
+def test_request_fields_map_to_sampling_params(served):
+    client, engine, _ = served
+    r = client.post("/v1/completions", json={
+        "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 11, "stop": ["x", "yz"],
+        "top_k": 4, "min_p": 0.1, "min_tokens": 1, "ignore_eos": True, "stop_token_ids": [9], "user": "u",
+        "some_future_field": {"ignored": True}, "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+    })
+    assert r.status_code == 200, r.text
+    ids, p, _ = engine.added[-1]
+    assert ids == [5, 6, 7]
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, p.top_k, p.min_p, p.min_tokens, p.ignore_eos,
+            p.stop_token_ids, p.logprobs) == (3, 0.5, 0.9, 11, ["x", "yz"], 4, 0.1, 1, True, [9], None)
+
+
+def test_chat_applies_template_and_maps_chat_fields(served, tokenizer):
+    client, engine, _ = served
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 5,
+                                                  "max_tokens": 9, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    ids, p, rid = engine.added[-1]
+    want = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi there"}],
+                                         add_generation_prompt=True, tokenize=False)
+    assert ids == tokenizer.encode(want, add_special_tokens=False)
+    assert p.max_tokens == 5 and p.logprobs == 2  # max_completion_tokens wins over max_tokens
+    body = r.json()
+    assert body["id"] == rid and rid.startswith("chatcmpl-") and body["object"] == "chat.completion"
+    msg = body["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": expected_text(tokenizer, 5)}
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        assert entry["logprob"] == -0.25 and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+
+
+def test_completion_logprobs_shape(served):
+    client, _, _ = served
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4, "logprobs": 1})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 4
+    assert all(len(t) == 1 for t in lp["top_logprobs"]) and lp["token_logprobs"] == [-0.25] * 4
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(4)]
+
+
+def test_default_max_tokens_shrinks_to_fit_the_context(served):
+    client, engine, _ = served
+    prompt = list(range(1, MAX_MODEL_LEN - 4))  # 59 tokens leave 5 of context; the default is 12
+    r = client.post("/v1/completions", json={"prompt": prompt})
+    assert r.status_code == 200, r.text
+    assert engine.added[-1][1].max_tokens == 5 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_models_and_health(served):
+    client, _, async_engine = served
+    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+    assert client.get(f"/v1/models/{MODEL}").status_code == 200
+    assert client.get("/v1/models/other").status_code == 404
+    assert client.get("/health").status_code == 200
+    async_engine.fail("rank 1 (pid 1) died")
+    r = client.get("/health")
+    assert r.status_code == 503 and "rank 1" in r.json()["reason"]
+    r = client.post("/v1/completions", json={"prompt": "a"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+def test_health_is_503_before_startup(tokenizer):
+    app, _, _ = make_app(tokenizer)
+    client = TestClient(app)  # no `with`: the lifespan (engine thread) has not started
+    assert client.get("/health").status_code == 503
+
+
+def test_requests_are_batched_together(tokenizer):
+    app, engine, _ = make_app(tokenizer, step_delay_s=0.01)
+    with TestClient(app) as client:
+        threads = [threading.Thread(target=client.post, args=("/v1/completions",),
+                                    kwargs={"json": {"prompt": "a", "max_tokens": 20}}) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(engine.added) == 4 and engine.max_batch >= 2
+
+
+# ---------------------------------------------------------------------------- streaming
+
+
+def test_completion_stream_format_and_usage(served, tokenizer):
+    client, engine, _ = served
+    with client.stream("POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 7, "stream": True,
+                                                        "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.read().decode())
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 7
+    assert usage["usage"]["prompt_tokens"] == len(engine.added[-1][0])
+    assert all(c["object"] == "text_completion" and c["id"] == engine.added[-1][2] for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text(tokenizer, 7)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_chat_stream_format_without_usage(served, tokenizer):
+    client, _, _ = served
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 6, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == expected_text(tokenizer, 6)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_engine_failure_ends_a_stream_with_an_error_event(tokenizer):
+    app, engine, async_engine = make_app(tokenizer, step_delay_s=0.05)
+    with TestClient(app) as client:
+        threading.Timer(0.3, async_engine.fail, args=("rank 1 (pid 7) died",)).start()
+        r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 40, "stream": True})
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        assert "rank 1" in events[-2]["error"]["message"] and events[-2]["error"]["type"] == "server_error"
+        assert engine.added[-1][2] in engine.aborted  # the unfinished request was aborted
+
+
+# ---------------------------------------------------------------------------- bad input
+
+MSG = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [
+    # (endpoint, body, status, param)
+    ("completions", b"{not json", 400, None),
+    ("completions", b"\xff\xfe", 400, None),
+    ("completions", b"[1, 2]", 400, None),
+    ("completions", b"", 400, None),
+    ("completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
+    ("completions", {"prompt": "a", "max_tokens": 41}, 400, "max_tokens"),  # over server.max_tokens_limit
+    ("completions", {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"prompt": "a", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("completions", {"prompt": "a", "temperature": True}, 400, "temperature"),
+    ("completions", {"prompt": "a", "temperature": 2.5}, 400, "temperature"),
+    ("completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": "a", "stop": 3}, 400, "stop"),
+    ("completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "a", "seed": "x"}, 400, "seed"),
+    ("completions", {"prompt": "a", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("completions", {"prompt": "a", "frequency_penalty": -1}, 400, "frequency_penalty"),
+    ("completions", {"prompt": "a", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ("completions", {"prompt": "a", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "a", "top_k": -2}, 400, "top_k"),
+    ("completions", {"prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ("completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": 5}, 400, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": [1, "b"]}, 400, "prompt"),
+    ("completions", {}, 400, "prompt"),
+    ("completions", {"prompt": list(range(1, MAX_MODEL_LEN + 1))}, 400, "prompt"),  # longer than the context
+    ("completions", {"prompt": list(range(1, 60)), "max_tokens": 10}, 400, "max_tokens"),  # 59 + 10 > 64
+    ("completions", {"prompt": "a", "max_tokens": 40, "temperature": 0, "stream": True,
+                     "prompt_pad": "x"}, 200, None),  # unknown fields are ignored
+    ("chat/completions", {}, 400, "messages"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "bot", "content": "hi"}]}, 400, "messages.0.role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages.0.content.0.type"),
+    ("chat/completions", {"messages": MSG, "logprobs": 1}, 400, "logprobs"),
+    ("chat/completions", {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("chat/completions", {"messages": MSG, "max_completion_tokens": 41}, 400, "max_completion_tokens"),
+    ("chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat/completions", {"messages": MSG, "model": "nope"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_generate_nothing(served, endpoint, body, status, param):
+    client, engine, _ = served
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = client.post(f"/v1/{endpoint}", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    if status == 200:
+        assert engine.added
+        return
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert "Traceback" not in r.text
+    assert engine.added == []
+    # The server keeps serving.
+    assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+def test_body_over_the_limit_is_413(tokenizer):
+    app, engine, _ = make_app(tokenizer, max_request_bytes=1000)
+    with TestClient(app) as client:
+        big = json.dumps({"prompt": "a" * 2000}).encode()
+        r = client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: the limit is enforced while reading
+            yield b'{"prompt": "'
+            for _ in range(20):
+                yield b"a" * 100
+            yield b'"}'
+
+        r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert engine.added == []
+        assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+def test_unexpected_errors_are_a_generic_500(served, caplog):
+    client, engine, _ = served
+    engine.fail_tokenize = RuntimeError("secret internal detail")
+    r = client.post("/v1/completions", json={"prompt": "a"})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+    assert "secret" not in r.text and "Traceback" not in r.text
+    assert "secret internal detail" in caplog.text  # the details go to the log
+    assert client.get("/v1/unknown").status_code == 404
+    assert client.get("/v1/unknown").json()["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------------------- auth
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic s3cret", "s3cret", "Bearer s3cret2"])
+def test_api_key_is_required(tokenizer, header):
+    app, engine, _ = make_app(tokenizer, api_key="s3cret")
+    with TestClient(app) as client:
+        headers = {"Authorization": header} if header else {}
+        for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                             ("GET", "/v1/models"), ("GET", "/metrics")]:
+            r = client.request(method, path, headers=headers, json={"prompt": "a", "messages": MSG})
+            assert r.status_code == 401, (path, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert engine.added == []
+        assert client.get("/health").status_code == 200
+        good = {"Authorization": "Bearer s3cret"}
+        assert client.post("/v1/completions", headers=good, json={"prompt": "a", "max_tokens": 2}).status_code == 200
+        assert client.get("/metrics", headers=good).status_code == 200
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_metrics_count_tokens_and_latencies(served):
+    client, engine, _ = served
+    before = client.get("/metrics").text
+    assert metric(before, "rtp_generation_tokens_total") == 0
+    client.post("/v1/completions", json={"prompt": "one two", "max_tokens": 5})
+    client.post("/v1/completions", json={"prompt": "three", "max_tokens": 3, "stream": True})
+    text = client.get("/metrics").text
+    prompt_tokens = sum(len(ids) for ids, _, _ in engine.added)
+    assert metric(text, "rtp_generation_tokens_total") == 8
+    assert metric(text, "rtp_prompt_tokens_total") == prompt_tokens
+    assert metric(text, "rtp_time_to_first_token_seconds_count") == 2
+    assert metric(text, "rtp_e2e_request_latency_seconds_count") == 2
+    assert metric(text, "rtp_inter_token_latency_seconds_count") == 8 - 2  # gaps after the first tokens
+    assert metric(text, 'rtp_requests_finished_total{finish_reason="length"}') == 2
+    assert metric(text, "rtp_prefix_cache_hit_rate") == pytest.approx(0.4)
+    assert metric(text, "rtp_kv_cache_usage_ratio") == 0.0  # nothing running any more
+    assert metric(text, "rtp_requests_running") == 0
+
+
+def test_separate_apps_have_separate_registries(tokenizer):
+    a, _, _ = make_app(tokenizer)
+    b, _, _ = make_app(tokenizer)
+    with TestClient(a) as ca, TestClient(b) as cb:
+        ca.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert metric(ca.get("/metrics").text, "rtp_generation_tokens_total") == 2
+        assert metric(cb.get("/metrics").text, "rtp_generation_tokens_total") == 0
+
+
+# ---------------------------------------------------------------------------- disconnects
+
+
+async def call_asgi(app, path: str, body: dict, disconnect_when) -> list[dict]:
+    """Drive the ASGI app directly; the client "disconnects" once disconnect_when(sent) is true.
+
+    ``disconnect_when=None``: the client is gone as soon as its request body was read.
+    """
+    raw = json.dumps(body).encode()
+    sent: list[dict] = []
+    gone = asyncio.Event()
+    delivered = False
+    if disconnect_when is None:
+        gone.set()
+        disconnect_when = bool
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if disconnect_when(sent):
+            gone.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                          (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 80), "state": {}}
+    asyncio.get_running_loop().call_later(0.3, gone.set)  # non-streaming: leave while it is generating
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+def after_two_chunks(sent: list[dict]) -> bool:
+    return sum(1 for m in sent if m["type"] == "http.response.body" and m.get("body")) >= 2
+
+
+@pytest.mark.parametrize("stream,disconnect_when", [
+    (True, after_two_chunks),  # while tokens stream
+    (True, lambda sent: True),  # as soon as the response starts, before any event
+    (True, None),  # gone before the response starts: the event generator never runs
+    (False, lambda sent: False),  # while a non-streaming request generates (the 0.3 s timer)
+])
+def test_client_disconnect_aborts_the_request(tokenizer, stream, disconnect_when):
+    app, engine, async_engine = make_app(tokenizer, step_delay_s=0.02)
+    async_engine.start()
+    try:
+        body = {"prompt": "a", "max_tokens": 40, "stream": stream}
+        sent = asyncio.run(call_asgi(app, "/v1/completions", body, disconnect_when))
+        rid = engine.added[0][2]
+        assert rid in engine.aborted
+        deadline = time.time() + 5
+        while engine.has_unfinished() and time.time() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_unfinished()  # the abort reached the engine: nothing left running
+        text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        assert b"[DONE]" not in text and b'"length"' not in text
+    finally:
+        async_engine.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_the_engine_refuses_later_is_a_400(served, stream):
+    client, engine, _ = served
+    engine.refuse_at_step = "needs 9 KV blocks but the cache has only 8"
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4, "stream": stream})
+    if stream:
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and "KV blocks" in events[-2]["error"]["message"]
+    else:
+        assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+
+
+def test_a_crashed_engine_thread_fails_requests_and_health(tokenizer):
+    app, engine, async_engine = make_app(tokenizer)
+    died: list[str] = []
+    async_engine.on_dead.append(died.append)
+
+    def broken_step():
+        raise RuntimeError("boom")
+
+    engine.step = broken_step
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        assert r.status_code == 503 and "RuntimeError" in r.json()["error"]["message"]
+        assert "boom" not in r.text  # the details stay in the log
+        assert client.get("/health").status_code == 503
+        assert died and "RuntimeError" in died[0]
