@@ -107,10 +107,11 @@ class PagedAttention(nn.Module):
             mask = torch.arange(k_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, k_len]
             o = F.scaled_dot_product_attention(
                 qi.transpose(0, 1),  # [Hq, q_len, D]
-                ki.repeat_interleave(rep, dim=1).transpose(0, 1),  # [Hq, k_len, D]
-                vi.repeat_interleave(rep, dim=1).transpose(0, 1),
+                ki.transpose(0, 1),  # [Hkv, k_len, D]: query head h reads KV head h // rep
+                vi.transpose(0, 1),
                 attn_mask=mask,
                 scale=self.scale,
+                enable_gqa=rep > 1,
             )
             out[start : start + q_len] = o.transpose(0, 1)
         return out
@@ -126,9 +127,10 @@ class PagedAttention(nn.Module):
         mask = (pos.unsqueeze(0) < meta.context_lens.unsqueeze(1)).unsqueeze(1).unsqueeze(1)  # [B, 1, 1, L]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, Hq, 1, D]
-            k.repeat_interleave(rep, dim=2).transpose(1, 2),  # [B, Hq, L, D]
-            v.repeat_interleave(rep, dim=2).transpose(1, 2),
+            k.transpose(1, 2),  # [B, Hkv, L, D]
+            v.transpose(1, 2),
             attn_mask=mask,
             scale=self.scale,
+            enable_gqa=rep > 1,
         )
         return o.squeeze(2)
