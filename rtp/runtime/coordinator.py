@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -26,7 +27,7 @@ from rtp.core.step import StepKind, StepPlan, encode
 from rtp.dist.liveness import Watchdog
 from rtp.dist.parallel import ParallelState
 from rtp.dist.shm_channel import ShmChannel, cleanup_stale_segments, make_channel_name
-from rtp.errors import WorkerDiedError
+from rtp.errors import RtpError, WorkerDiedError
 from rtp.log import get_logger, setup_logging
 from rtp.runtime.engine import Engine, RequestOutput
 from rtp.runtime.model_runner import ModelRunner
@@ -206,8 +207,13 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
         runtime = Runtime(config, ps, Engine(config, runner, model_dir), None, {})
         _install_exit_handlers(runtime)
         return runtime
-    pids = [None] * ps.world_size
-    dist.all_gather_object(pids, os.getpid(), group=ps.cpu_group)
+    peers = [None] * ps.world_size
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=ps.cpu_group)
+    hosts = sorted({host for host, _ in peers})
+    if len(hosts) > 1:
+        # The step channel and the pid watchdog need one machine; say so instead of timing out.
+        raise RtpError(f"all ranks must run on one node (rtp's step channel is shared memory); found hosts {hosts}")
+    pids = [pid for _, pid in peers]
     if ps.rank == 0:
         cleanup_stale_segments()  # segments of crashed runs: removed, each one logged
         channel = ShmChannel.create(
