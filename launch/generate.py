@@ -20,15 +20,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rtp  # noqa: E402
 from rtp.cli import add_common_args, fail  # noqa: E402
-from rtp.errors import RtpError  # noqa: E402
+from rtp.errors import RequestError, RtpError  # noqa: E402
 
 DEMO_PROMPTS = ["The quick brown fox", "Once upon a time", "What time is it?", "One, two, three,"]
 PARAM_FIELDS = {f.name for f in dataclasses.fields(rtp.SamplingParams) if f.init}
 
 
-def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams]]:
-    """Parse the JSONL file; raise RtpError naming the line of the first bad entry."""
-    prompts, params = [], []
+def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams], list[int]]:
+    """Parse the JSONL file into prompts, their params and their line numbers.
+
+    Raises RtpError naming the line of the first bad entry.
+    """
+    prompts, params, linenos = [], [], []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -39,15 +42,23 @@ def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams]]:
                     raise ValueError("expected a JSON object")
                 if ("prompt" in item) == ("prompt_token_ids" in item):
                     raise ValueError('give exactly one of "prompt" or "prompt_token_ids"')
-                prompt = item.pop("prompt", None) or item.pop("prompt_token_ids")
+                key = "prompt" if "prompt" in item else "prompt_token_ids"
+                prompt = item.pop(key)
+                if key == "prompt" and not (isinstance(prompt, str) and prompt):
+                    raise ValueError('"prompt" must be a non-empty string')
+                if key == "prompt_token_ids" and not (
+                    isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+                ):
+                    raise ValueError('"prompt_token_ids" must be a non-empty list of integers')
                 unknown = set(item) - PARAM_FIELDS
                 if unknown:
                     raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(PARAM_FIELDS)}")
                 params.append(rtp.SamplingParams(**item))
                 prompts.append(prompt)
+                linenos.append(lineno)
             except (ValueError, TypeError) as e:
                 raise RtpError(f"{path}:{lineno}: {e}") from None
-    return prompts, params
+    return prompts, params, linenos
 
 
 def main() -> int:
@@ -59,12 +70,18 @@ def main() -> int:
     args = ap.parse_args()
     try:
         if args.prompts_file:
-            prompts, params = read_requests(args.prompts_file)
+            prompts, params, linenos = read_requests(args.prompts_file)
         else:
-            prompts = DEMO_PROMPTS
+            prompts, linenos = DEMO_PROMPTS, []
             params = [rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(prompts)
         rtp.init(args.config, model=args.model)  # worker ranks serve inside init() and exit there
-        outputs = rtp.generate(prompts, params)
+        try:
+            outputs = rtp.generate(prompts, params)
+        except RequestError as e:  # "prompt <i>: why" -> "<file>:<line>: why"
+            index, _, why = str(e).partition(": ")
+            if linenos and index.startswith("prompt "):
+                raise RequestError(f"{args.prompts_file}:{linenos[int(index[7:])]}: {why}") from None
+            raise
     except RtpError as e:
         return fail(e)
     finally:

@@ -72,8 +72,8 @@ class RtpConfig:
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
     dtype: str = "auto"
     """"auto" (bfloat16 on cuda, float32 on cpu), "float32", "bfloat16" or "float16"."""
-    block_size: int = 16
-    """Tokens per KV block; a power of two in 1..1024.
+    block_size: int | None = None
+    """Tokens per KV block; a power of two in 1..1024, or None for 256 with flash-attn and 16 otherwise.
 
     flash-attn's paged path needs a multiple of 256; the runtime checks that on CUDA.
     """
@@ -160,7 +160,8 @@ _RULES: dict[type, dict[str, _Rule]] = {
         "device": _choice("auto", "cpu", "cuda"),
         "dtype": _choice("auto", "float32", "bfloat16", "float16"),
         "block_size": _Rule(
-            "int", "a power of two between 1 and 1024", lambda v: 1 <= v <= 1024 and v & (v - 1) == 0
+            "int", "a power of two between 1 and 1024 or null", lambda v: 1 <= v <= 1024 and v & (v - 1) == 0,
+            nullable=True,
         ),
         "max_num_seqs": _int(1),
         "max_num_batched_tokens": _int(1),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -27,3 +28,13 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy that later engine steps will not change (the engine appends to its lists in place)."""
+    return dataclasses.replace(
+        out,
+        token_ids=list(out.token_ids),
+        new_token_ids=list(out.new_token_ids),
+        logprobs=None if out.logprobs is None else list(out.logprobs),
+    )

@@ -181,6 +181,13 @@ class ShmChannel:
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
             os.ftruncate(fd, layout.total)  # zero-filled: every counter starts at 0
+            try:  # reserve the pages now: a full /dev/shm must fail here, not SIGBUS on a later write
+                os.posix_fallocate(fd, 0, layout.total)
+            except OSError as e:
+                raise RtpError(
+                    f"cannot reserve {layout.total} bytes of shared memory for channel {name!r} ({e.strerror}); "
+                    "lower shm_chunk_bytes / shm_num_chunks or enlarge /dev/shm"
+                ) from None
             mm = mmap.mmap(fd, layout.total)
         except BaseException:
             _posixshmem.shm_unlink("/" + name)

@@ -31,17 +31,20 @@ if triton is not None:
 
     @triton.jit
     def _store_kv_kernel(
-        key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_ptr, WIDTH: tl.constexpr
+        key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_ptr,
+        WIDTH: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        # One program per token; WIDTH = num_kv_heads * head_dim contiguous elements.
-        t = tl.program_id(0)
+        # One program per token; WIDTH = num_kv_heads * head_dim contiguous elements,
+        # BLOCK = WIDTH rounded up to a power of two (tl.arange needs one), masked.
+        t = tl.program_id(0).to(tl.int64)  # 64-bit offsets: t * stride can pass 2**31
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
-            cols = tl.arange(0, WIDTH)
-            k = tl.load(key_ptr + t * key_stride + cols)
-            v = tl.load(value_ptr + t * value_stride + cols)
-            tl.store(k_cache_ptr + slot * WIDTH + cols, k)
-            tl.store(v_cache_ptr + slot * WIDTH + cols, v)
+            cols = tl.arange(0, BLOCK)
+            mask = cols < WIDTH
+            k = tl.load(key_ptr + t * key_stride + cols, mask=mask)
+            v = tl.load(value_ptr + t * value_stride + cols, mask=mask)
+            tl.store(k_cache_ptr + slot * WIDTH + cols, k, mask=mask)
+            tl.store(v_cache_ptr + slot * WIDTH + cols, v, mask=mask)
 
 
 def store_kv_triton(
@@ -53,21 +56,19 @@ def store_kv_triton(
     # The kernel reads each token's heads as one contiguous row and needs a power-of-two width.
     if key.stride(-1) != 1 or key.stride(1) != head_dim or value.stride(-1) != 1 or value.stride(1) != head_dim:
         raise ValueError("store_kv_triton needs [T, H, D] tensors contiguous in their last two dims")
-    if width & (width - 1):
-        raise ValueError(f"store_kv_triton needs num_kv_heads * head_dim to be a power of two, got {width}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("store_kv_triton needs contiguous caches")
     _store_kv_kernel[(num_tokens,)](
-        key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping, WIDTH=width
+        key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping,
+        WIDTH=width, BLOCK=triton.next_power_of_2(width),
     )
 
 
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store K/V into the paged cache: Triton on CUDA, the torch reference on CPU."""
-    width = key.shape[1] * key.shape[2]
-    if key.is_cuda and triton is not None and not (width & (width - 1)):
+    """Store K/V into the paged cache: Triton on CUDA (graph-capturable), the torch reference on CPU."""
+    if key.is_cuda and triton is not None:
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)

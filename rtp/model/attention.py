@@ -23,9 +23,22 @@ except ImportError:
     flash_attn_varlen_func = flash_attn_with_kvcache = None
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def flash_attn_available() -> bool:
     """True when the flash-attn package imported."""
     return flash_attn_varlen_func is not None
+
+
+def use_flash_attn(device: torch.device, dtype: torch.dtype) -> bool:
+    """flash-attn 2 serves fp16/bf16 on Ampere or newer; everything else takes the torch path."""
+    return (
+        device.type == "cuda"
+        and flash_attn_available()
+        and dtype in FLASH_DTYPES
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
 
 
 @dataclass
@@ -62,7 +75,7 @@ class PagedAttention(nn.Module):
         has_cache = meta.block_tables is not None and self.k_cache.numel() > 0
         if has_cache:
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if q.is_cuda and flash_attn_available():
+        if q.is_cuda and flash_attn_available() and q.dtype in FLASH_DTYPES:
             return self._flash(q, k, v, meta, has_cache)
         return self._torch(q, k, v, meta, has_cache)
 

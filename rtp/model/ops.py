@@ -70,7 +70,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, scale: float) -> None:
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
+        freqs = torch.outer(t, inv_freq.to(t.device))  # [max_positions, head_dim // 2]
         # Registered as buffers so .to(device) moves them; not in the state dict.
         self.register_buffer("cos", (freqs.cos() * scale), persistent=False)
         self.register_buffer("sin", (freqs.sin() * scale), persistent=False)

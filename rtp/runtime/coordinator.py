@@ -27,9 +27,10 @@ from rtp.core.step import StepKind, StepPlan, encode
 from rtp.dist.liveness import Watchdog
 from rtp.dist.parallel import ParallelState
 from rtp.dist.shm_channel import ShmChannel, cleanup_stale_segments, make_channel_name
-from rtp.errors import RtpError, WorkerDiedError
+from rtp.errors import RequestError, RtpError, WorkerDiedError
 from rtp.log import get_logger, setup_logging
-from rtp.runtime.engine import Engine, RequestOutput
+from rtp.outputs import RequestOutput, snapshot
+from rtp.runtime.engine import Engine
 from rtp.runtime.model_runner import ModelRunner
 from rtp.runtime.worker import run_worker
 from rtp.sampling import SamplingParams
@@ -45,7 +46,10 @@ class Runtime:
         self.config, self.ps, self.engine, self.channel = config, ps, engine, channel
         self.closed = False
         self.dead_rank: int | None = None
-        self.stop_signal: int | None = None  # SIGTERM/SIGINT received: stop at the next step boundary
+        self.stop_signal: int | None = None  # SIGTERM/SIGINT received during a step: stop after it
+        self.failed: str | None = None  # a step raised: the workers may be stuck in it, the engine is unusable
+        self.in_step = False
+        self._old_handlers: dict[int, object] = {}
         self.on_failure: list[Callable[[str], None]] = []  # the server hooks in to fail its clients
         self._watchdog = Watchdog(peers, self._peer_died).start() if peers else None
 
@@ -81,12 +85,14 @@ class Runtime:
     def step(self) -> list[RequestOutput]:
         """One engine step. A collective that fails because a peer died becomes a WorkerDiedError naming it."""
         self.check_alive()
-        if self.stop_signal is not None:
-            raise SystemExit(128 + self.stop_signal)  # unwinds to the caller's finally: rtp.shutdown()
+        if self.failed is not None:
+            raise RtpError(f"the runtime failed earlier and cannot continue: {self.failed}")
+        self.in_step = True
         try:
             return self.engine.step()
         except Exception as e:
             dead = self._wait_for_dead_peer(timeout_s=3.0)
+            self.failed = f"{type(e).__name__}: {e}"
             if dead is None:
                 raise
             rank, pid = dead
@@ -95,6 +101,10 @@ class Runtime:
             self.engine.fail_all(msg)
             self._unlink()
             raise WorkerDiedError(msg) from e
+        finally:
+            self.in_step = False
+            if self.stop_signal is not None:
+                raise SystemExit(128 + self.stop_signal)  # deferred signal: unwinds to rtp.shutdown()
 
     def _wait_for_dead_peer(self, timeout_s: float) -> tuple[int, int] | None:
         # The failed collective usually beats the watchdog: look at the peers directly.
@@ -127,14 +137,31 @@ class Runtime:
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] is a {type(sp).__name__}; expected rtp.SamplingParams")
+        ids: list[str] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                try:
+                    ids.append(self.engine.add_request(p, sp))
+                except RequestError as e:
+                    raise RequestError(f"prompt {i}: {e}") from None
+            return self._run_until_done(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:  # leave nothing behind to run in a later call
+                self.engine.abort(rid)
+            raise
+
+    def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start = self.engine.stats()
         last = (time.perf_counter(), start)
         while len(done) < len(ids):
             for out in self.step():
-                if out.finished:
+                if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)
             now, stats = time.perf_counter(), self.engine.stats()
@@ -159,12 +186,16 @@ class Runtime:
                         ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it, until it finishes."""
         rid = self.engine.add_request(prompt, sampling_params)
-        while True:
-            for out in self.step():
-                if out.request_id == rid:
-                    yield out
-                    if out.finished:
-                        return
+        finished = False
+        try:
+            while not finished:
+                for out in self.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield snapshot(out)  # the engine keeps updating its own object
+        finally:
+            if not finished:  # closed early by the caller
+                self.engine.abort(rid)
 
     # ---- teardown ----
 
@@ -179,16 +210,24 @@ class Runtime:
         self.closed = True
         if self._watchdog is not None:
             self._watchdog.stop()
+        for signum, handler in self._old_handlers.items():
+            signal.signal(signum, handler)
+        # After a failed step the workers may still sit in its collectives: telling them to
+        # shut down or meeting them at a barrier could block. Leaving is enough, since their
+        # watchdogs see rank 0 go.
+        healthy = self.dead_rank is None and self.failed is None
         try:
-            if self.channel is not None and self.dead_rank is None:
+            if self.channel is not None and healthy:
                 self.send(StepPlan(kind=StepKind.SHUTDOWN))
         except Exception as e:  # noqa: BLE001 - best effort: a worker may already be gone
             logger.warning("could not send shutdown to the workers: %s", e)
+            healthy = False
         finally:
             self._unlink()
             if self.channel is not None:
                 self.channel.close()
-            self.ps.destroy(barrier=self.dead_rank is None)
+            self.engine.runner.graphs = None  # captured NCCL work must not outlive its communicator
+            self.ps.destroy(barrier=healthy)
         logger.info("shut down")
 
 
@@ -199,7 +238,8 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
     resolve_tp_size(config, ps.world_size)
     runner = ModelRunner(
         ps, model_dir, dtype=config.dtype, block_size=config.block_size, max_model_len=config.max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=config.num_kv_blocks,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        num_kv_blocks=config.num_kv_blocks,
         cpu_kv_cache_gib=config.cpu_kv_cache_gib, gpu_memory_utilization=config.gpu_memory_utilization,
         enforce_eager=config.enforce_eager, cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
     )
@@ -230,6 +270,7 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
         return runtime
     name = ps.broadcast_object(None)
     run_worker(ps, runner, name, pids[0], config.liveness_timeout_s)
+    runner.graphs = None  # captured NCCL work must not outlive its communicator
     ps.destroy()
     sys.exit(0)
 
@@ -239,13 +280,15 @@ def _install_exit_handlers(runtime: Runtime) -> None:
     atexit.register(runtime.shutdown)
 
     def on_signal(signum: int, frame) -> None:  # noqa: ANN001
-        # Stop at the next step boundary: leaving in the middle of a step would strand
-        # the workers in a collective. A second signal stops at once.
-        if runtime.stop_signal is not None:
-            raise SystemExit(128 + signum)
-        logger.info("received %s: shutting down after the current step", signal.Signals(signum).name)
-        runtime.stop_signal = signum
+        # Inside a step, stop when it ends: leaving in the middle would strand the workers
+        # in a collective. Outside a step (or on a second signal), stop at once.
+        if runtime.in_step and runtime.stop_signal is None:
+            logger.info("received %s: shutting down after the current step", signal.Signals(signum).name)
+            runtime.stop_signal = signum
+            return
+        logger.info("received %s: shutting down", signal.Signals(signum).name)
+        raise SystemExit(128 + signum)
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            runtime._old_handlers[signum] = signal.signal(signum, on_signal)

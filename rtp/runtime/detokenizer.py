@@ -65,6 +65,11 @@ class IncrementalDetokenizer:
         self._prefix_text: str | None = None  # cached decode of ids[prefix_offset:read_offset]
         self._window_consumed = 0  # chars past prefix_text already handed over from the current window
 
+        # Stop strings count only once min_tokens tokens were generated (as stop tokens do):
+        # text decoded before that can neither match nor be held back.
+        self._min_tokens = params.min_tokens
+        self._num_added = 0
+        self._stop_floor = 0  # matches must start at or after this index of _text
         self._text = ""  # decoded output (cut before a stop string once one matched)
         self._emitted = 0  # characters of _text already returned to the caller
         self._stopped = False
@@ -84,6 +89,7 @@ class IncrementalDetokenizer:
         if self._stopped:
             return "", True
         self._ids.append(token_id)
+        self._num_added += 1
         new_text = self._decode_new(final=False)
         if not new_text:
             return "", False
@@ -138,9 +144,11 @@ class IncrementalDetokenizer:
         """Append decoded text, check the stop strings, and return what may be emitted."""
         # A new match must end inside new_text, so it starts at most
         # max_stop_len - 1 characters before it.
-        search_from = max(0, len(self._text) - self._max_stop_len + 1)
+        search_from = max(self._stop_floor, len(self._text) - self._max_stop_len + 1)
         self._text += new_text
-        if not self._stop_strings:
+        if self._num_added < self._min_tokens:
+            self._stop_floor = len(self._text)
+        if not self._stop_strings or self._num_added < self._min_tokens:
             out = self._text[self._emitted :]
             self._emitted = len(self._text)
             return out, False

@@ -71,7 +71,7 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
-                block_size=config.block_size,
+                block_size=runner.block_size,
                 num_blocks=runner.num_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
             ),
@@ -80,9 +80,10 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self._seq_ids = itertools.count()
         self._requests: dict[str, _Request] = {}  # by request id, owned by the stepping thread
-        self._lock = threading.Lock()  # guards the two inboxes below
-        self._new: list[_Request] = []
-        self._aborts: list[str] = []
+        self._lock = threading.Lock()  # guards the inbox and the live ids
+        # Adds (a _Request) and aborts (a request id) in the order they were submitted,
+        # so an abort that follows an add in the same step is not lost.
+        self._inbox: list[_Request | str] = []
         self._live_ids: set[str] = set()  # ids submitted and not yet finished (any thread)
         self.vocab_size = len(self.tokenizer)
 
@@ -113,24 +114,24 @@ class Engine:
         seq = Sequence(next(self._seq_ids), ids, params, arrival_time=time.time())
         self.scheduler.validate(seq)  # pure checks (length, cache size): reject now, not after queueing
         request_id = request_id or f"req-{seq.seq_id}"
-        with self._lock:
-            if request_id in self._live_ids:
-                raise RequestError(f"request id {request_id!r} is already in use")
-            self._live_ids.add(request_id)
         req = _Request(
             seq,
             IncrementalDetokenizer(self.tokenizer, ids, params),
             RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids, arrival_time=seq.arrival_time,
                           logprobs=[] if params.logprobs is not None else None),
         )
-        with self._lock:
-            self._new.append(req)
+        with self._lock:  # reserve the id last: nothing after this can fail
+            if request_id in self._live_ids:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            self._live_ids.add(request_id)
+            self._inbox.append(req)
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread); its blocks are freed at the next step."""
         with self._lock:
-            self._aborts.append(request_id)
+            if request_id in self._live_ids:
+                self._inbox.append(request_id)
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -140,19 +141,19 @@ class Engine:
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
-            new, self._new = self._new, []
-            aborts, self._aborts = self._aborts, []
+            inbox, self._inbox = self._inbox, []
         finished = []
-        for req in new:
-            try:
-                self.scheduler.add(req.seq)
-            except RequestError as e:
-                req.out.finish_reason, req.out.error = "abort", str(e)
-                finished.append(self._finish(req))
+        for item in inbox:
+            if isinstance(item, _Request):
+                try:
+                    self.scheduler.add(item.seq)
+                except RequestError as e:
+                    item.out.finish_reason, item.out.error = "abort", str(e)
+                    finished.append(self._finish(item))
+                    continue
+                self._requests[item.out.request_id] = item
                 continue
-            self._requests[req.out.request_id] = req
-        for rid in aborts:
-            req = self._requests.get(rid)
+            req = self._requests.get(item)
             if req is not None and not req.out.finished:
                 self.scheduler.abort(req.seq.seq_id)
                 req.out.finish_reason = "abort"
@@ -198,8 +199,9 @@ class Engine:
             delta = ""
             if not stopped_by_token:
                 delta, stopped = req.detok.add(token)
-                if stopped and not s.seq.is_finished:
+                if stopped:  # a stop string wins over reaching max_tokens on the same token
                     self.scheduler.finish(s.seq.seq_id, "stop")
+                    s.seq.finish_reason = "stop"
             if s.seq.is_finished:
                 delta += req.detok.flush()
                 out.finish_reason = s.seq.finish_reason

@@ -36,8 +36,10 @@ def plan_num_blocks(
     if fixed is not None:
         local = fixed
     elif ps.device.type == "cuda":
-        total = torch.cuda.get_device_properties(ps.device).total_memory
-        local = int((total * gpu_memory_utilization - peak_bytes) // per_block)
+        free, total = torch.cuda.mem_get_info(ps.device)
+        # Memory outside torch's allocator (CUDA context, NCCL buffers) counts against the budget too.
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(ps.device))
+        local = int((total * gpu_memory_utilization - peak_bytes - non_torch) // per_block)
     else:
         local = int(cpu_cache_gib * 2**30 // per_block)
     num_blocks = ps.min_int(local)

@@ -12,7 +12,7 @@ from rtp.core.step import StepPlan
 from rtp.dist.parallel import ParallelState
 from rtp.errors import ConfigError
 from rtp.log import get_logger
-from rtp.model.attention import AttnMetadata, flash_attn_available
+from rtp.model.attention import AttnMetadata, use_flash_attn
 from rtp.model.loader import LoadReport, load_weights
 from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rtp.runtime.batch import BatchInputs, BatchMirror
@@ -63,9 +63,10 @@ class ModelRunner:
         model_dir: str | Path,
         *,
         dtype: str = "auto",
-        block_size: int = 16,
+        block_size: int | None = None,
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
         num_kv_blocks: int | None = None,
         cpu_kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.9,
@@ -73,12 +74,15 @@ class ModelRunner:
         cuda_graph_max_batch: int = 256,
     ) -> None:
         self.ps = ps
+        self.max_num_seqs = max_num_seqs
         self.dtype = resolve_dtype(dtype, ps.device)
-        use_flash = ps.device.type == "cuda" and flash_attn_available()
+        use_flash = use_flash_attn(ps.device, self.dtype)
+        block_size = block_size or (256 if use_flash else 16)
         if use_flash and block_size % 256:
             raise ConfigError(f"block_size={block_size} is invalid with flash-attn: paged KV needs a multiple of 256")
         if ps.device.type == "cuda" and not use_flash:
-            logger.warning("flash-attn is not installed: using the (slow) torch attention on GPU")
+            logger.warning("flash-attn is not usable here (not installed, dtype %s, or pre-Ampere GPU): "
+                           "using the slow torch attention", self.dtype)
         self.model, self.load_report = load_model(model_dir, ps, self.dtype, max_model_len)
         self.spec = self.model.spec
         self.max_model_len = max_model_len or self.spec.max_position_embeddings
@@ -111,7 +115,8 @@ class ModelRunner:
         cu = torch.tensor([0, n], dtype=torch.int32, device=self.ps.device)
         meta = AttnMetadata(pos.clone(), cu, cu, cu[1:], None, n, n, [n], [n])
         hidden = self.model(ids, pos, meta)
-        self.model.compute_logits(hidden[-1:])
+        # Rank 0 samples up to max_num_seqs rows: count their logits too.
+        self.model.compute_logits(hidden[: min(n, self.max_num_seqs)])
         torch.cuda.synchronize(self.ps.device)
         peak = torch.cuda.max_memory_allocated(self.ps.device)
         torch.cuda.empty_cache()
@@ -153,6 +158,8 @@ class ModelRunner:
             hidden = self.graphs.run(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta)  # [T, hidden]
+        if len(batch.sample_indices) == 0:  # a prefill chunk that does not reach its prompt's end
+            return None  # (the plan is the same on every rank, so all skip the gather together)
         sample_idx = torch.from_numpy(batch.sample_indices).to(self.ps.device)
         logits = self.model.compute_logits(hidden[sample_idx])
         return logits.float() if logits is not None else None

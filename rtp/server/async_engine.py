@@ -16,14 +16,13 @@ its KV blocks are freed at the next step.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from rtp.errors import RequestError, RtpError, WorkerDiedError
 from rtp.log import get_logger
-from rtp.outputs import RequestOutput
+from rtp.outputs import RequestOutput, snapshot
 from rtp.sampling import SamplingParams
 
 logger = get_logger(__name__)
@@ -35,16 +34,6 @@ class EngineDeadError(RtpError):
 
 class ServerShuttingDownError(RtpError):
     """The server is stopping and the request did not finish within the shutdown grace period."""
-
-
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the engine thread will not mutate any more (lists are appended to in place)."""
-    return dataclasses.replace(
-        out,
-        token_ids=list(out.token_ids),
-        new_token_ids=list(out.new_token_ids),
-        logprobs=None if out.logprobs is None else list(out.logprobs),
-    )
 
 
 class RequestStream:
@@ -248,4 +237,4 @@ class AsyncEngine:
             # Without a runtime failure, a request-level error is the engine refusing this request.
             stream.put(EngineDeadError(out.error) if self.failure else RequestError(out.error))
         else:
-            stream.put(_snapshot(out))
+            stream.put(snapshot(out))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,9 +102,9 @@ def test_sigkill_worker_fails_fast_and_names_the_rank(long_job):
     t0 = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     rc = run.wait(timeout=BOUND_S + 30)
-    assert time.monotonic() - t0 < BOUND_S
+    assert time.monotonic() - t0 < 10, "the dead worker should be noticed within seconds"
     assert rc != 0
-    assert "rank 1" in run.output
+    assert re.search(r"rank 1 \(pid \d+\) died", run.output), run.output[-3000:]
     assert not segments_of(pids[0]), "the run's shared-memory segment was left behind"
     assert not any(pid_alive(p) for p in pids.values()), "orphan rank processes"
 

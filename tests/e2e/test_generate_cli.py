@@ -15,6 +15,9 @@ BAD_LINES = [
     (json.dumps({"prompt": "a", "temprature": 0.5}), "temprature"),
     (json.dumps({"prompt": "a", "max_tokens": -1}), "max_tokens"),
     (json.dumps({"prompt": "a", "top_p": "high"}), "top_p"),
+    (json.dumps({"prompt": ""}), "non-empty string"),
+    (json.dumps({"prompt": None}), "non-empty string"),
+    (json.dumps({"prompt_token_ids": "text"}), "list of integers"),
 ]
 
 
@@ -27,3 +30,14 @@ def test_bad_line_is_reported_with_its_number(tmp_path, line, words):
     assert proc.returncode == 1
     assert f"{path}:2:" in proc.stderr and words in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_prompt_the_model_cannot_take_is_reported_with_its_line(tmp_path):
+    """Token ids out of the vocabulary are only known once the model is loaded; the line is still named."""
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + json.dumps({"prompt_token_ids": [1, 10**6]}) + "\n")
+    proc = subprocess.run([sys.executable, "launch/generate.py", "--prompts-file", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 1
+    assert f"{path}:3: token id 1000000 is out of range" in proc.stderr, proc.stderr

@@ -59,7 +59,7 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     path = make_tiny_qwen3(tmp_path / "m", spec)
     outs = []
     for eager in (True, False):
-        runner = ModelRunner(ParallelState.single("cuda"), path, dtype="float32", block_size=256, num_kv_blocks=16,
+        runner = ModelRunner(ParallelState.single("cuda"), path, dtype="bfloat16", block_size=256, num_kv_blocks=16,
                              enforce_eager=eager, cuda_graph_max_batch=8)
         prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
         logits = [runner.execute(StepPlan(new_seqs=[NewSeq(i, p, [i], 0, len(p)) for i, p in enumerate(prompts)]))]
@@ -68,4 +68,6 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
             logits.append(runner.execute(StepPlan(cached_seqs=[CachedSeq(i, 1, [nxt[i]], []) for i in range(2)])))
         assert (runner.graphs is None) == eager
         outs.append(torch.stack(logits))
-    assert torch.allclose(outs[0], outs[1], atol=1e-3, rtol=1e-3)
+    # bf16, and flash-attn may split the KV differently for the graph's wider block table.
+    assert torch.allclose(outs[0], outs[1], atol=5e-2, rtol=5e-2)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))

@@ -13,7 +13,7 @@ CHECK = r"""
 import torch
 from rtp.kernels.kv_store import store_kv_reference, store_kv_triton
 g = torch.Generator().manual_seed(0)
-for heads, dim, block_size in [(1, 16, 4), (2, 32, 16), (4, 64, 8)]:
+for heads, dim, block_size in [(1, 16, 4), (2, 32, 16), (4, 64, 8), (3, 16, 4)]:  # 3 x 16: not a power of two
     num_blocks, t = 12, 23
     key = torch.randn(t, heads, dim, generator=g)
     value = torch.randn(t, heads, dim, generator=g)

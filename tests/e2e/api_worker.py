@@ -1,0 +1,49 @@
+"""Run as a script (one rank): rtp.generate / generate_stream input forms and bookkeeping. Prints OK."""
+
+import rtp
+from rtp.errors import RequestError
+
+greedy = rtp.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+rtp.init(None, log_level="WARNING")
+
+# One token-id list, one string, and a mixed list give the same outputs for the same prompts.
+[single] = rtp.generate([5, 6, 7], greedy, use_tqdm=False)
+[text] = rtp.generate("hello there", greedy, use_tqdm=False)
+mixed = rtp.generate([[5, 6, 7], "hello there"], greedy, use_tqdm=False)
+assert [o.token_ids for o in mixed] == [single.token_ids, text.token_ids]
+assert len(single.token_ids) == 6 and single.finish_reason == "length"
+
+# Per-prompt params are applied in order.
+outs = rtp.generate([[1, 2], [1, 2]], [rtp.SamplingParams(temperature=0, max_tokens=2),
+                                       rtp.SamplingParams(temperature=0, max_tokens=5)], use_tqdm=False)
+assert [len(o.token_ids) for o in outs] == [2, 5]
+assert outs[0].token_ids == outs[1].token_ids[:2]
+
+# Bad inputs fail clearly and leave nothing queued behind for the next call.
+for bad_call, words in [
+    (lambda: rtp.generate([[1, 2]], [greedy, greedy], use_tqdm=False), "2 SamplingParams for 1 prompts"),
+    (lambda: rtp.generate([[1, 2]], [{"temperature": 0}], use_tqdm=False), "expected rtp.SamplingParams"),
+    (lambda: rtp.generate([[1, 2], [10**7]], greedy, use_tqdm=False), "prompt 1: token id"),
+]:
+    try:
+        bad_call()
+    except (RequestError, TypeError, ValueError) as e:
+        assert words in str(e), (words, str(e))
+    else:
+        raise AssertionError(f"no error for {words}")
+again = rtp.generate([[5, 6, 7]], greedy, use_tqdm=False)
+assert again[0].token_ids == single.token_ids
+
+# Streaming: distinct snapshots whose deltas add up, and an early close aborts the request.
+chunks = list(rtp.generate_stream([5, 6, 7], greedy))
+assert len({id(c) for c in chunks}) == len(chunks)
+assert [t for c in chunks for t in c.new_token_ids] == single.token_ids
+assert "".join(c.new_text for c in chunks) == chunks[-1].text == single.text
+stream = rtp.generate_stream([5, 6, 7], rtp.SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+next(stream)
+stream.close()
+after = rtp.generate([[9, 9]], greedy, use_tqdm=False)
+assert len(after) == 1 and after[0].finish_reason == "length"
+assert rtp.generate([], greedy, use_tqdm=False) == []
+rtp.shutdown()
+print("OK")

@@ -1,0 +1,18 @@
+"""rtp.generate / rtp.generate_stream input handling (one rank, in a fresh process)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.utils import REPO
+
+
+@pytest.mark.timeout(300)
+def test_generate_api_forms_and_bookkeeping():
+    script = Path(__file__).with_name("api_worker.py")
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-4000:]

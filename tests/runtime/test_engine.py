@@ -1,0 +1,159 @@
+"""Engine bookkeeping with a scripted model: finish reasons, stop strings, logprobs, aborts, ids.
+
+The fake runner applies each StepPlan to a real BatchMirror and returns logits
+that make the scripted token the clear argmax, so these tests exercise the
+scheduler, sampler, detokenizer and engine together in milliseconds.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rtp.config import RtpConfig
+from rtp.errors import RequestError
+from rtp.runtime.batch import BatchMirror
+from rtp.runtime.engine import Engine
+from rtp.sampling import SamplingParams
+from rtp.testing import default_model_dir
+
+VOCAB = 512
+
+
+class ScriptedRunner:
+    """Emits script[first prompt token][i] as the i-th generated token of a sequence."""
+
+    def __init__(self, script: dict[int, list[int]], num_blocks: int = 64, block_size: int = 4) -> None:
+        self.script = script
+        self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, 256
+        self.spec = SimpleNamespace(vocab_size=VOCAB)
+        self.mirror = BatchMirror(block_size)
+        self.prompt_len: dict[int, int] = {}
+
+    def execute(self, plan):
+        for new in plan.new_seqs:
+            self.prompt_len.setdefault(new.seq_id, len(new.token_ids))
+        batch = self.mirror.apply(plan)
+        rows = []
+        for seq_id in batch.seq_ids:
+            seq = self.mirror.seqs[seq_id]
+            if seq.num_computed != len(seq.token_ids):
+                continue  # not sampled this step
+            generated = len(seq.token_ids) - self.prompt_len[seq_id]
+            tokens = self.script[seq.token_ids[0]]
+            logits = torch.zeros(VOCAB)
+            logits[tokens[min(generated, len(tokens) - 1)]] = 10.0
+            rows.append(logits)
+        return torch.stack(rows) if rows else None
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return default_model_dir()
+
+
+def make_engine(model_dir, script, **kw) -> Engine:
+    return Engine(RtpConfig(device="cpu", max_num_batched_tokens=64, max_num_seqs=8), ScriptedRunner(script, **kw),
+                  model_dir)
+
+
+def run(engine: Engine) -> dict:
+    done = {}
+    for _ in range(200):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not engine.has_unfinished():
+            return done
+    raise AssertionError("requests did not finish")
+
+
+def test_eos_ends_with_stop_and_is_kept_in_ids_not_text(model_dir):
+    engine = make_engine(model_dir, {})
+    hello = engine.tokenizer.encode("hello world", add_special_tokens=False)
+    eos = engine.eos_token_ids[0]
+    engine.runner.script = {7: hello + [eos, 1, 2]}
+    rid = engine.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=20))
+    out = run(engine)[rid]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == hello + [eos]
+    assert out.text == "hello world"
+
+
+def test_ignore_eos_and_max_tokens_give_length(model_dir):
+    engine = make_engine(model_dir, {})
+    eos = engine.eos_token_ids[0]
+    engine.runner.script = {7: [eos] * 10}
+    rid = engine.add_request([7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    out = run(engine)[rid]
+    assert out.finish_reason == "length" and out.token_ids == [eos] * 5
+
+
+def test_stop_string_on_the_last_allowed_token_is_a_stop(model_dir):
+    engine = make_engine(model_dir, {})
+    ids = engine.tokenizer.encode("one two three", add_special_tokens=False)
+    engine.runner.script = {7: ids}
+    rid = engine.add_request([7], SamplingParams(temperature=0, max_tokens=len(ids), stop=["three"]))
+    out = run(engine)[rid]
+    assert out.finish_reason == "stop"
+    assert out.text == "one two "
+
+
+def test_stop_strings_wait_for_min_tokens(model_dir):
+    engine = make_engine(model_dir, {})
+    ids = engine.tokenizer.encode("stop and go and stop", add_special_tokens=False)
+    engine.runner.script = {7: ids + ids}
+    min_tokens = len(engine.tokenizer.encode("stop and", add_special_tokens=False))
+    rid = engine.add_request([7], SamplingParams(temperature=0, max_tokens=40, stop=["stop"], min_tokens=min_tokens))
+    out = run(engine)[rid]
+    assert out.finish_reason == "stop"
+    assert out.text.startswith("stop and go and ") and "stop" not in out.text[4:]
+
+
+def test_logprobs_align_with_tokens(model_dir):
+    engine = make_engine(model_dir, {7: [5, 6, 7, 8]})
+    rid = engine.add_request([7, 1], SamplingParams(temperature=0, max_tokens=4, logprobs=2))
+    out = run(engine)[rid]
+    assert len(out.logprobs) == len(out.token_ids) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) == 2
+        assert entry[token] == max(entry.values())
+
+
+def test_abort_before_and_after_the_first_step_frees_everything(model_dir):
+    engine = make_engine(model_dir, {7: list(range(10, 40))})
+    free = engine.scheduler.stats.num_free_blocks
+    a = engine.add_request([7] * 9, SamplingParams(temperature=0, max_tokens=30))
+    engine.abort(a)  # before any step: must not run at all
+    b = engine.add_request([7] * 9, SamplingParams(temperature=0, max_tokens=30))
+    done = {out.request_id: out for out in engine.step() if out.finished}
+    engine.abort(b)
+    done |= run(engine)
+    assert done[a].finish_reason == "abort" and done[a].token_ids == []
+    assert done[b].finish_reason == "abort"
+    stats = engine.scheduler.stats
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_blocks == free
+
+
+def test_request_ids_are_unique_while_live_and_reusable_after(model_dir):
+    engine = make_engine(model_dir, {7: [1, 2, 3]})
+    engine.add_request([7], SamplingParams(max_tokens=2), request_id="x")
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_request([7], SamplingParams(max_tokens=2), request_id="x")
+    run(engine)
+    engine.add_request([7], SamplingParams(max_tokens=2), request_id="x")
+    assert run(engine)["x"].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "prompt, words",
+    [([], "empty"), ([VOCAB + 5], "out of range"), ([1] * 300, "max_model_len"), ("", "empty"), (3.5, "string")],
+)
+def test_bad_prompts_are_refused_at_submission(model_dir, prompt, words):
+    engine = make_engine(model_dir, {})
+    with pytest.raises(RequestError, match=words):
+        engine.add_request(prompt, SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished()
