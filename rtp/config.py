@@ -100,7 +100,11 @@ class RtpConfig:
     shm_num_chunks: int = 4
     """Number of chunks in the shared-memory ring."""
     liveness_timeout_s: float = 30.0
-    """A rank that does not answer within this many seconds is declared dead, in (0, 3600]."""
+    """Seconds rank 0 waits on a worker that is alive but does not read the step channel, in (0, 3600].
+
+    A rank whose process exits is noticed within about a second whatever this is;
+    collectives time out after max(this, 60) seconds (startup skew between ranks).
+    """
     seed: int = 0
     """Seed of the default random generator (requests may bring their own)."""
     log_level: str = "INFO"

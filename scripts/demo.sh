@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${RTP_VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e .
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e . \
+    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)  # noise from this machine's pip config
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$VENV/bin/torchrun" --standalone --nproc-per-node "${NPROC:-2}" launch/generate.py --config configs/cpu.yaml "$@"

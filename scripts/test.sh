@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 VENV="${RTP_VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 # torch is pinned in pyproject.toml to the CPU build this machine ships (never an unpinned CUDA build).
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,serve]'
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,serve]' \
+    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)  # noise from this machine's pip config
 # One BLAS thread per process: torchrun tests start several ranks on few cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$VENV/bin/ruff" check --quiet rtp launch scripts tests

@@ -226,7 +226,8 @@ class Runtime:
             self._unlink()
             if self.channel is not None:
                 self.channel.close()
-            self.engine.runner.graphs = None  # captured NCCL work must not outlive its communicator
+            if self.engine is not None:
+                self.engine.runner.graphs = None  # captured NCCL work must not outlive its communicator
             self.ps.destroy(barrier=healthy)
         logger.info("shut down")
 
@@ -255,10 +256,14 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
         raise RtpError(f"all ranks must run on one node (rtp's step channel is shared memory); found hosts {hosts}")
     pids = [pid for _, pid in peers]
     if ps.rank == 0:
-        cleanup_stale_segments()  # segments of crashed runs: removed, each one logged
-        channel = ShmChannel.create(
-            make_channel_name(), ps.world_size - 1, config.shm_chunk_bytes, config.shm_num_chunks
-        )
+        try:
+            cleanup_stale_segments()  # segments of crashed runs: removed, each one logged
+            channel = ShmChannel.create(
+                make_channel_name(), ps.world_size - 1, config.shm_chunk_bytes, config.shm_num_chunks
+            )
+        except BaseException:
+            ps.broadcast_object("")  # tell the workers waiting for the name to give up
+            raise
         try:
             ps.broadcast_object(channel.name)
             runtime = Runtime(config, ps, None, channel, {r: pids[r] for r in range(1, ps.world_size)})  # type: ignore[arg-type]
@@ -269,6 +274,9 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
             raise
         return runtime
     name = ps.broadcast_object(None)
+    if not name:
+        logger.error("rank 0 failed to create the step channel; rank %d exits", ps.rank)
+        sys.exit(1)
     run_worker(ps, runner, name, pids[0], config.liveness_timeout_s)
     runner.graphs = None  # captured NCCL work must not outlive its communicator
     ps.destroy()

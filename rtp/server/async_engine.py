@@ -159,6 +159,8 @@ class AsyncEngine:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            if self.failure is not None:  # fail() may have run since the check above
+                raise EngineDeadError(self.failure)
             self._streams[request_id] = stream
         try:
             self.engine.add_request(prompt, params, request_id)
