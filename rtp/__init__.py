@@ -9,6 +9,7 @@ it for explicit use.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,7 +39,7 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
     if not isinstance(config, RtpConfig):
         config = load_config(config if config is not None else default_config_path(), **overrides)
     elif overrides:
-        config = load_config(None, **{**_as_dict(config), **overrides})
+        config = load_config(None, **{**dataclasses.asdict(config), **overrides})
     model_dir = Path(config.model) if config.model else default_model_dir()
     if not (model_dir / "config.json").is_file():
         raise ConfigError(
@@ -47,13 +48,6 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
         )
     _current = start(config, model_dir)
     return _current
-
-
-def _as_dict(config: RtpConfig) -> dict:
-    import dataclasses
-
-    d = dataclasses.asdict(config)
-    return d
 
 
 def _runtime():  # noqa: ANN202

@@ -8,6 +8,7 @@ by one thread at a time (the caller of ``generate``, or the server's engine thre
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import threading
@@ -85,7 +86,6 @@ class Engine:
         # so an abort that follows an add in the same step is not lost.
         self._inbox: list[_Request | str] = []
         self._live_ids: set[str] = set()  # ids submitted and not yet finished (any thread)
-        self.vocab_size = len(self.tokenizer)
 
     # ---- submission (any thread) ----
 
@@ -222,5 +222,4 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Scheduler counters for logs, progress bars and metrics."""
-        s = self.scheduler.stats
-        return dict(vars(s)) if not isinstance(s, dict) else s
+        return dataclasses.asdict(self.scheduler.stats)
