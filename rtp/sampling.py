@@ -96,5 +96,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling is deterministic argmax."""
-        return self.temperature == 0.0
+        """True when sampling is deterministic argmax (temperatures this small would overflow)."""
+        return self.temperature < 1e-5

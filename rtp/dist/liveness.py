@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 
 from rtp.log import get_logger
@@ -54,6 +55,19 @@ class Watchdog:
 
     def dead_peers(self) -> list[tuple[int, int]]:
         return [(rank, pid) for rank, pid in self.peers.items() if not pid_alive(pid)]
+
+    def wait_for_dead(self, timeout_s: float) -> tuple[int, int] | None:
+        """The first dead peer (rank, pid) seen within ``timeout_s``, else None.
+
+        A collective that failed because a peer died usually returns before the
+        peer's process is reaped: polling briefly tells the two cases apart.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dead = self.dead_peers()
+            if dead or time.monotonic() > deadline:
+                return dead[0] if dead else None
+            time.sleep(0.05)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

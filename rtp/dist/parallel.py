@@ -43,11 +43,6 @@ class ParallelState:
     def tp_size(self) -> int:
         return self.world_size
 
-    @property
-    def is_driver(self) -> bool:
-        """True on rank 0, the coordinator."""
-        return self.rank == 0
-
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelState:
         """A world of one process, without torch.distributed (tests, TP=1 without torchrun)."""

@@ -69,13 +69,14 @@ class PagedAttention(nn.Module):
         # Bound by the KV-cache allocator: [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.use_flash = False  # set by the runner, from use_flash_attn(), once for every layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
         has_cache = meta.block_tables is not None and self.k_cache.numel() > 0
         if has_cache:
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if q.is_cuda and flash_attn_available() and q.dtype in FLASH_DTYPES:
+        if self.use_flash:
             return self._flash(q, k, v, meta, has_cache)
         return self._torch(q, k, v, meta, has_cache)
 
@@ -107,8 +108,8 @@ class PagedAttention(nn.Module):
         if has_cache and meta.decode_only:
             return self._torch_decode(q, meta, rep)
         out = torch.empty_like(q)
+        start = 0  # offset of sequence i's queries in the flat batch
         for i, (q_len, k_len) in enumerate(zip(meta.q_lens, meta.k_lens)):
-            start = int(meta.cu_seqlens_q[i])
             qi = q[start : start + q_len]  # [q_len, Hq, D]
             if has_cache:
                 ki = self._gather(self.k_cache, meta.block_tables[i], k_len)
@@ -127,6 +128,7 @@ class PagedAttention(nn.Module):
                 enable_gqa=rep > 1,
             )
             out[start : start + q_len] = o.transpose(0, 1)
+            start += q_len
         return out
 
     def _torch_decode(self, q: torch.Tensor, meta: AttnMetadata, rep: int) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 Each parameter carries a ``weight_loader(param, source, shard_id=None)`` that
 copies this rank's slice from a checkpoint tensor. ``source`` is anything with
-``get_shape()`` and slicing (a safetensors ``get_slice`` handle, or
-:class:`TensorSource` around a tensor), so a rank reads only its slice.
+``get_shape()`` and slicing (a safetensors ``get_slice`` handle), so a rank
+reads only its slice.
 """
 
 from __future__ import annotations
@@ -16,19 +16,6 @@ from rtp.dist.parallel import ParallelState
 from rtp.errors import CheckpointError, ModelShapeError
 
 
-class TensorSource:
-    """Adapts an in-memory tensor to the sliceable-source protocol of the loaders."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, idx):  # noqa: ANN001 - same contract as safetensors slices
-        return self.tensor[idx]
-
-
 def divide(numerator: int, denominator: int, what: str) -> int:
     """Exact division, or a ModelShapeError naming the numbers."""
     if numerator % denominator != 0:
@@ -39,11 +26,6 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _check_shape(name: str, got: list[int], expected: list[int]) -> None:
-    if list(got) != list(expected):
-        raise CheckpointError(f"tensor {name!r} has shape {list(got)}, expected {list(expected)}")
-
-
 def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
     if list(param.shape) != list(value.shape):
         raise CheckpointError(f"slice of shape {list(value.shape)} does not fit parameter {list(param.shape)}")
@@ -52,7 +34,6 @@ def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def load_full(param: nn.Parameter, source, shard_id=None) -> None:  # noqa: ANN001
     """Default loader: the parameter is replicated on every rank."""
-    _check_shape("replicated", source.get_shape(), list(param.shape))
     _copy(param, source[:])
 
 

@@ -74,7 +74,6 @@ class RotaryEmbedding(nn.Module):
         # Registered as buffers so .to(device) moves them; not in the state dict.
         self.register_buffer("cos", (freqs.cos() * scale), persistent=False)
         self.register_buffer("sin", (freqs.sin() * scale), persistent=False)
-        self.max_positions = max_positions
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]

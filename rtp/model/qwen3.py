@@ -64,9 +64,6 @@ class Qwen3Spec:
                 f"(KV heads are split when tp <= {kv} and replicated when tp is a multiple of {kv})"
             )
 
-    def num_kv_heads_per_rank(self, tp: int) -> int:
-        return max(1, self.num_kv_heads // tp)
-
 
 class Qwen3Attention(nn.Module):
     def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding) -> None:

@@ -91,7 +91,7 @@ class Runtime:
         try:
             return self.engine.step()
         except Exception as e:
-            dead = self._wait_for_dead_peer(timeout_s=3.0)
+            dead = self._watchdog.wait_for_dead(timeout_s=3.0) if self._watchdog is not None else None
             self.failed = f"{type(e).__name__}: {e}"
             if dead is None:
                 raise
@@ -105,18 +105,6 @@ class Runtime:
             self.in_step = False
             if self.stop_signal is not None:
                 raise SystemExit(128 + self.stop_signal)  # deferred signal: unwinds to rtp.shutdown()
-
-    def _wait_for_dead_peer(self, timeout_s: float) -> tuple[int, int] | None:
-        # The failed collective usually beats the watchdog: look at the peers directly.
-        deadline = time.monotonic() + timeout_s
-        while self._watchdog is not None:
-            dead = self._watchdog.dead_peers()
-            if dead:
-                return dead[0]
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        return None
 
     # ---- offline API ----
 
@@ -164,8 +152,9 @@ class Runtime:
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)
-            now, stats = time.perf_counter(), self.engine.stats()
+            now = time.perf_counter()
             if use_tqdm and now - last[0] > 0.5:
+                stats = self.engine.stats()
                 dt = now - last[0]
                 prefill = (stats["num_prefill_tokens_computed"] - last[1]["num_prefill_tokens_computed"]) / dt
                 decode = (stats["num_decode_tokens"] - last[1]["num_decode_tokens"]) / dt
@@ -227,7 +216,7 @@ class Runtime:
             if self.channel is not None:
                 self.channel.close()
             if self.engine is not None:
-                self.engine.runner.graphs = None  # captured NCCL work must not outlive its communicator
+                self.engine.runner.close()
             self.ps.destroy(barrier=healthy)
         logger.info("shut down")
 
@@ -278,7 +267,7 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
         logger.error("rank 0 failed to create the step channel; rank %d exits", ps.rank)
         sys.exit(1)
     run_worker(ps, runner, name, pids[0], config.liveness_timeout_s)
-    runner.graphs = None  # captured NCCL work must not outlive its communicator
+    runner.close()
     ps.destroy()
     sys.exit(0)
 

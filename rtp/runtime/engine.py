@@ -81,6 +81,7 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self._seq_ids = itertools.count()
         self._requests: dict[str, _Request] = {}  # by request id, owned by the stepping thread
+        self._by_seq: dict[int, _Request] = {}  # the same requests by sequence id
         self._lock = threading.Lock()  # guards the inbox and the live ids
         # Adds (a _Request) and aborts (a request id) in the order they were submitted,
         # so an abort that follows an add in the same step is not lost.
@@ -152,6 +153,7 @@ class Engine:
                     finished.append(self._finish(item))
                     continue
                 self._requests[item.out.request_id] = item
+                self._by_seq[item.seq.seq_id] = item
                 continue
             req = self._requests.get(item)
             if req is not None and not req.out.finished:
@@ -163,6 +165,7 @@ class Engine:
     def _finish(self, req: _Request) -> RequestOutput:
         req.out.finish_time = time.time()
         self._requests.pop(req.out.request_id, None)
+        self._by_seq.pop(req.seq.seq_id, None)
         with self._lock:
             self._live_ids.discard(req.out.request_id)
         return req.out
@@ -185,9 +188,8 @@ class Engine:
             tokens, logprobs = sampled.token_ids, sampled.logprobs
         self.scheduler.postprocess(result, tokens)
         now = time.time()
-        by_seq = {req.seq.seq_id: req for req in self._requests.values()}
         for s, token, lp in zip(to_sample, tokens, logprobs):
-            req = by_seq[s.seq.seq_id]
+            req = self._by_seq[s.seq.seq_id]
             out = req.out
             out.new_token_ids = [token]
             out.token_ids.append(token)

@@ -47,7 +47,6 @@ def load_model(
     """Build this rank's slice of the model on its device and load the weights."""
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     spec = Qwen3Spec.from_hf(hf_config)
-    spec.check_tp(ps.tp_size)
     with _default_dtype(dtype), torch.device(ps.device):
         model = Qwen3ForCausalLM(spec, ps, hf_config, max(max_positions or 0, spec.max_position_embeddings))
     report = load_weights(model, model_dir)
@@ -88,6 +87,8 @@ class ModelRunner:
         self.max_model_len = max_model_len or self.spec.max_position_embeddings
         self.block_size = block_size
         layers = self.model.attention_layers()
+        for attn in layers:
+            attn.use_flash = use_flash
         peak = 0
         if ps.device.type == "cuda" and num_kv_blocks is None:
             peak = self._profile_peak(max_num_batched_tokens)
@@ -104,6 +105,10 @@ class ModelRunner:
             self.graphs = CudaGraphs(
                 self.model, ps.device, cuda_graph_max_batch, max_blocks, self.spec.hidden_size, self.dtype
             )
+
+    def close(self) -> None:
+        """Drop the CUDA graphs: their captured NCCL work must not outlive the communicator."""
+        self.graphs = None
 
     @torch.inference_mode()
     def _profile_peak(self, num_tokens: int) -> int:
@@ -219,8 +224,7 @@ class CudaGraphs:
         self.slots[b:bs] = -1
         self.ctx[:b] = meta.context_lens
         self.ctx[b:bs] = 1
-        self.tables[:b].zero_()
+        self.tables[:bs].zero_()
         self.tables[:b, : meta.block_tables.shape[1]] = meta.block_tables
-        self.tables[b:bs] = 0
         self.graphs[bs].replay()
         return self.out[:b]

@@ -36,11 +36,6 @@ from rtp.sampling import SamplingParams
 
 logger = get_logger(__name__)
 
-# Temperatures below this are treated as greedy: dividing by them would overflow
-# the scaled logits without changing the outcome in any meaningful way.
-_GREEDY_EPS = 1e-5
-
-
 @dataclass
 class SampleRow:
     """What the sampler needs to know of one sequence in the batch."""
@@ -70,11 +65,6 @@ def step_seed(seed: int, step: int) -> int:
     """
     digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
-
-
-def is_greedy(params: SamplingParams) -> bool:
-    """True when the sampler takes the argmax for these parameters."""
-    return params.temperature < _GREEDY_EPS
 
 
 def filter_logits(
@@ -154,7 +144,7 @@ class Sampler:
         raw = logits.float()  # no copy when already float32; never modified in place
         x = self._mask_min_tokens(raw, rows)
 
-        greedy = [is_greedy(r.params) for r in rows]
+        greedy = [r.params.greedy for r in rows]
         if all(greedy):
             tokens = x.argmax(dim=-1)
         else:

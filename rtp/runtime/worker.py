@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 from rtp.core.step import StepKind, decode
 from rtp.dist.liveness import Watchdog, pid_alive
@@ -40,11 +39,8 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str, driver
                 runner.execute(plan)
     except Exception:
         # A collective or the channel failed: if rank 0 is gone, that is the cause, not a bug here.
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline:
-            if not pid_alive(driver_pid):
-                driver_gone(0, driver_pid)
-            time.sleep(0.05)
+        if watchdog.wait_for_dead(timeout_s=3.0):
+            driver_gone(0, driver_pid)
         raise
     finally:
         watchdog.stop()
