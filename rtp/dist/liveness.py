@@ -35,11 +35,22 @@ def pid_alive(pid: int) -> bool:
         return True  # no /proc: trust kill(0)
 
 
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (field 22 of /proc/PID/stat), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 class Watchdog:
     """Polls ``peers`` (rank -> pid) every ``interval_s`` on a daemon thread."""
 
     def __init__(self, peers: dict[int, int], on_dead: Callable[[int, int], None], interval_s: float = 0.25) -> None:
         self.peers = dict(peers)
+        # A pid can be reused by a new process once the peer is gone: remember who it was.
+        self._starts = {rank: _start_time(pid) for rank, pid in self.peers.items()}
         self.on_dead = on_dead
         self.interval_s = interval_s
         self._stop = threading.Event()
@@ -54,7 +65,11 @@ class Watchdog:
         self._stop.set()
 
     def dead_peers(self) -> list[tuple[int, int]]:
-        return [(rank, pid) for rank, pid in self.peers.items() if not pid_alive(pid)]
+        return [
+            (rank, pid)
+            for rank, pid in self.peers.items()
+            if not pid_alive(pid) or _start_time(pid) != self._starts[rank]
+        ]
 
     def wait_for_dead(self, timeout_s: float) -> tuple[int, int] | None:
         """The first dead peer (rank, pid) seen within ``timeout_s``, else None.
