@@ -167,8 +167,12 @@ class _Api:
             raise ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param or None) from None
 
     def check_model(self, req: CommonRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"the model {req.model!r} does not exist: this server serves {self.model_name!r}",
+        if req.model is not None:
+            self.check_model_name(req.model)
+
+    def check_model_name(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist: this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
     def submit(self, req: CommonRequest, prompt: str | list[int], logprobs: int | None, prefix: str,
@@ -277,9 +281,7 @@ class _Api:
         return {"object": "list", "data": [self.model_card()]}
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        if model_id != self.model_name:
-            raise ApiError(404, f"the model {model_id!r} does not exist: this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+        self.check_model_name(model_id)
         return self.model_card()
 
     def model_card(self) -> dict[str, Any]:
