@@ -1,21 +1,34 @@
-"""Paged attention: flash-attn on CUDA when importable, a torch path otherwise.
+"""Paged attention with three backends, chosen once per runner by :func:`choose_attn_backend`.
+
+- ``"flash"``: flash-attn 2 (CUDA, fp16/bf16, Ampere or newer, block size a multiple of 256).
+- ``"triton"``: the Triton paged-attention kernels of :mod:`rtp.kernels.paged_attention`
+  (CUDA without flash-attn; any block size; the decode kernel is CUDA-graph capturable).
+- ``"torch"``: the torch references of the same module (CPU, or a GPU with neither).
 
 Every step flattens its sequences into one token batch: sequence i
 contributes ``q_lens[i]`` query tokens at the end of its ``k_lens[i]`` keys
 (the keys before them are already in the paged cache: a cached prefix, earlier
-prefill chunks, or earlier decode steps). The torch path covers every case the
-flash-attn path covers: mixed prefill/decode, chunked prefill, cached prefixes.
+prefill chunks, or earlier decode steps). Every backend covers every case:
+mixed prefill/decode, chunked prefill, cached prefixes. Without a cache (the
+profiling run) the triton backend takes the torch path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rtp.kernels.kv_store import store_kv
+from rtp.kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+    triton_available,
+)
 
 try:  # optional extra "gpu"
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -24,6 +37,8 @@ except ImportError:
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+AttnBackend = Literal["flash", "triton", "torch"]
 
 
 def flash_attn_available() -> bool:
@@ -39,6 +54,15 @@ def use_flash_attn(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype in FLASH_DTYPES
         and torch.cuda.get_device_capability(device) >= (8, 0)
     )
+
+
+def choose_attn_backend(device: torch.device, dtype: torch.dtype) -> AttnBackend:
+    """flash-attn where usable, else the Triton kernels on CUDA, else the torch path."""
+    if use_flash_attn(device, dtype):
+        return "flash"
+    if device.type == "cuda" and triton_available():
+        return "triton"
+    return "torch"
 
 
 @dataclass
@@ -69,18 +93,22 @@ class PagedAttention(nn.Module):
         # Bound by the KV-cache allocator: [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.use_flash = False  # set by the runner, from use_flash_attn(), once for every layer
+        self.backend: AttnBackend = "torch"  # set by the runner, from choose_attn_backend(), for every layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
         has_cache = meta.block_tables is not None and self.k_cache.numel() > 0
         if has_cache:
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if self.use_flash:
+        if self.backend == "flash":
             return self._flash(q, k, v, meta, has_cache)
+        if self.backend == "triton" and has_cache:
+            return self._triton(q, meta)
         return self._torch(q, k, v, meta, has_cache)
 
-    def _flash(self, q, k, v, meta: AttnMetadata, has_cache: bool) -> torch.Tensor:  # noqa: ANN001
+    def _flash(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, has_cache: bool
+    ) -> torch.Tensor:
         if not has_cache:
             return flash_attn_varlen_func(
                 q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
@@ -97,55 +125,25 @@ class PagedAttention(nn.Module):
             meta.max_seqlen_k, softmax_scale=self.scale, causal=True, block_table=meta.block_tables,
         )
 
-    def _gather(self, cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-        # table: [num_blocks_of_seq] -> [length, Hkv, D]
-        block_size = cache.shape[1]
-        n = -(-length // block_size)
-        return cache[table[:n].long()].flatten(0, 1)[:length]
-
-    def _torch(self, q, k, v, meta: AttnMetadata, has_cache: bool) -> torch.Tensor:  # noqa: ANN001
-        rep = self.num_heads // self.num_kv_heads
-        if has_cache and meta.decode_only:
-            return self._torch_decode(q, meta, rep)
-        out = torch.empty_like(q)
-        start = 0  # offset of sequence i's queries in the flat batch
-        for i, (q_len, k_len) in enumerate(zip(meta.q_lens, meta.k_lens)):
-            qi = q[start : start + q_len]  # [q_len, Hq, D]
-            if has_cache:
-                ki = self._gather(self.k_cache, meta.block_tables[i], k_len)
-                vi = self._gather(self.v_cache, meta.block_tables[i], k_len)
-            else:
-                ki, vi = k[start : start + q_len], v[start : start + q_len]
-            # Query j sits at absolute position k_len - q_len + j and sees keys <= it.
-            q_pos = torch.arange(k_len - q_len, k_len, device=q.device).unsqueeze(1)
-            mask = torch.arange(k_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, k_len]
-            o = F.scaled_dot_product_attention(
-                qi.transpose(0, 1),  # [Hq, q_len, D]
-                ki.transpose(0, 1),  # [Hkv, k_len, D]: query head h reads KV head h // rep
-                vi.transpose(0, 1),
-                attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=rep > 1,
+    def _triton(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        # q: [T, Hq, D] -> [T, Hq, D]; reads only device tensors (no host sync: graph-capturable decode)
+        if meta.decode_only:
+            return paged_decode_attention(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
             )
-            out[start : start + q_len] = o.transpose(0, 1)
-            start += q_len
-        return out
-
-    def _torch_decode(self, q: torch.Tensor, meta: AttnMetadata, rep: int) -> torch.Tensor:
-        # One query per sequence: gather every sequence's blocks at once and mask by length.
-        block_size = self.k_cache.shape[1]
-        n_blocks = -(-meta.max_seqlen_k // block_size)
-        table = meta.block_tables[:, :n_blocks].long()  # [B, n_blocks]
-        k = self.k_cache[table].flatten(1, 2)  # [B, L, Hkv, D]
-        v = self.v_cache[table].flatten(1, 2)
-        pos = torch.arange(k.shape[1], device=q.device)
-        mask = (pos.unsqueeze(0) < meta.context_lens.unsqueeze(1)).unsqueeze(1).unsqueeze(1)  # [B, 1, 1, L]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, Hq, 1, D]
-            k.transpose(1, 2),  # [B, Hkv, L, D]
-            v.transpose(1, 2),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=rep > 1,
+        return paged_prefill_attention(
+            q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale
         )
-        return o.squeeze(2)
+
+    def _torch(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, has_cache: bool
+    ) -> torch.Tensor:
+        if not has_cache:  # k/v: this step's own [T, Hkv, D]; every sequence is a whole prompt
+            return paged_prefill_attention_reference(q, k, v, meta.q_lens, meta.q_lens, self.scale)
+        if meta.decode_only:
+            return paged_decode_attention_reference(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.max_seqlen_k, self.scale
+            )
+        return paged_prefill_attention_reference(
+            q, self.k_cache, self.v_cache, meta.q_lens, meta.k_lens, self.scale, meta.block_tables
+        )

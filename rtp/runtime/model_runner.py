@@ -12,7 +12,7 @@ from rtp.core.step import StepPlan
 from rtp.dist.parallel import ParallelState
 from rtp.errors import ConfigError
 from rtp.log import get_logger
-from rtp.model.attention import AttnMetadata, use_flash_attn
+from rtp.model.attention import AttnMetadata, choose_attn_backend
 from rtp.model.loader import LoadReport, load_weights
 from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rtp.runtime.batch import BatchInputs, BatchMirror
@@ -75,20 +75,20 @@ class ModelRunner:
         self.ps = ps
         self.max_num_seqs = max_num_seqs
         self.dtype = resolve_dtype(dtype, ps.device)
-        use_flash = use_flash_attn(ps.device, self.dtype)
-        block_size = block_size or (256 if use_flash else 16)
-        if use_flash and block_size % 256:
+        self.attn_backend = choose_attn_backend(ps.device, self.dtype)  # "flash", "triton" or "torch"
+        block_size = block_size or (256 if self.attn_backend == "flash" else 16)
+        if self.attn_backend == "flash" and block_size % 256:
             raise ConfigError(f"block_size={block_size} is invalid with flash-attn: paged KV needs a multiple of 256")
-        if ps.device.type == "cuda" and not use_flash:
-            logger.warning("flash-attn is not usable here (not installed, dtype %s, or pre-Ampere GPU): "
-                           "using the slow torch attention", self.dtype)
+        if ps.device.type == "cuda" and self.attn_backend == "torch":
+            logger.warning("neither flash-attn (not installed, dtype %s, or pre-Ampere GPU) nor triton is usable "
+                           "here: using the slow torch attention", self.dtype)
         self.model, self.load_report = load_model(model_dir, ps, self.dtype, max_model_len)
         self.spec = self.model.spec
         self.max_model_len = max_model_len or self.spec.max_position_embeddings
         self.block_size = block_size
         layers = self.model.attention_layers()
         for attn in layers:
-            attn.use_flash = use_flash
+            attn.backend = self.attn_backend
         peak = 0
         if ps.device.type == "cuda" and num_kv_blocks is None:
             peak = self._profile_peak(max_num_batched_tokens)
@@ -100,7 +100,7 @@ class ModelRunner:
         allocate_kv_cache(layers, self.num_blocks, block_size, self.dtype, ps.device)
         self.mirror = BatchMirror(block_size)
         self.graphs: CudaGraphs | None = None
-        if use_flash and not enforce_eager:
+        if self.attn_backend != "torch" and not enforce_eager:  # flash and Triton decode are capturable
             max_blocks = -(-self.max_model_len // block_size)
             self.graphs = CudaGraphs(
                 self.model, ps.device, cuda_graph_max_batch, max_blocks, self.spec.hidden_size, self.dtype

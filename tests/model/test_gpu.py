@@ -1,30 +1,19 @@
-"""GPU-only checks (run by scripts/gpu_check.sh): flash-attn paths and CUDA graphs against the torch path."""
+"""GPU-only checks (run by scripts/gpu_check.sh): flash-attn and Triton paths and CUDA graphs against the torch path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rtp.model.attention import AttnMetadata, PagedAttention, flash_attn_available
+from rtp.kernels.paged_attention import triton_available
+from rtp.model.attention import PagedAttention, flash_attn_available
+from tests.kernels.paged_attention_cases import runner_logits
+from tests.kernels.paged_attention_cases import step_metadata as _meta
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def _meta(q_lens, k_lens, tables, block_size, device):
-    slots = []
-    for q, k, t in zip(q_lens, k_lens, tables):
-        for pos in range(k - q, k):
-            slots.append(t[pos // block_size] * block_size + pos % block_size)
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
-    return AttnMetadata(torch.tensor(slots, device=device), cu_q, cu_k,
-                        torch.tensor(k_lens, dtype=torch.int32, device=device), bt, max(q_lens), max(k_lens),
-                        list(q_lens), list(k_lens))
 
 
 @pytest.mark.skipif(not flash_attn_available(), reason="flash-attn is not installed")
@@ -71,3 +60,50 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     # bf16, and flash-attn may split the KV differently for the graph's wider block table.
     assert torch.allclose(outs[0], outs[1], atol=5e-2, rtol=5e-2)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 128), (4, 4, 80)])  # GQA; MHA with a head_dim padded to 128
+@pytest.mark.parametrize(
+    "q_lens, k_lens",
+    [([5, 1, 300], [5, 40, 600]), ([1, 1, 1, 1], [7, 16, 17, 1025]), ([1, 64, 1, 33], [16, 64, 1, 97])],
+)
+def test_triton_attention_matches_torch_path(q_lens, k_lens, hq, hkv, d):
+    torch.manual_seed(0)
+    dev, bs = torch.device("cuda"), 16
+    need = [-(-k // bs) for k in k_lens]
+    perm = torch.randperm(sum(need) + 4).tolist()  # shuffled, disjoint block tables
+    tables = [perm[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
+    attn = PagedAttention(hq, hkv, d, d**-0.5)
+    attn.backend = "triton"
+    attn.k_cache = torch.randn(len(perm), bs, hkv, d, device=dev, dtype=torch.bfloat16)
+    attn.v_cache = torch.randn_like(attn.k_cache)
+    t = sum(q_lens)
+    q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    meta = _meta(q_lens, k_lens, tables, bs, dev)
+    out = attn(q, k, v, meta)  # stores k/v into the cache (Triton), then attends (Triton)
+    assert torch.equal(attn.k_cache.view(-1, hkv, d)[meta.slot_mapping], k)
+    assert torch.equal(attn.v_cache.view(-1, hkv, d)[meta.slot_mapping], v)
+    attn.k_cache, attn.v_cache = attn.k_cache.float(), attn.v_cache.float()
+    ref = attn._torch(q.float(), k.float(), v.float(), meta, True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_cuda_graph_decode_with_triton_matches_eager_and_torch(tmp_path):
+    from rtp.testing import TinyQwen3Spec, make_tiny_qwen3
+
+    spec = TinyQwen3Spec(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         intermediate_size=512)
+    path = make_tiny_qwen3(tmp_path / "m", spec)
+    dev = torch.device("cuda")
+    # Each run also asserts: block size 16 by default, every layer on the backend, graphs captured iff not eager.
+    eager_torch = runner_logits(path, "torch", True, dev, "bfloat16")
+    eager_triton = runner_logits(path, "triton", True, dev, "bfloat16")
+    graph = runner_logits(path, "triton", False, dev, "bfloat16")
+    assert torch.allclose(graph, eager_triton, atol=1e-2, rtol=1e-2)  # the same kernels, replayed
+    assert torch.equal(graph.argmax(-1), eager_triton.argmax(-1))
+    assert torch.allclose(eager_triton, eager_torch, atol=5e-2, rtol=5e-2)  # bf16, another summation order

@@ -1,0 +1,73 @@
+"""Triton paged attention matches its torch references (CPU, under TRITON_INTERPRET=1) and is chosen on CUDA."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rtp.kernels import paged_attention
+from rtp.kernels.paged_attention import paged_decode_attention_reference, paged_prefill_attention_reference
+from rtp.model import attention
+from rtp.model.attention import choose_attn_backend
+from tests.kernels.paged_attention_cases import CPU_CASES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_triton_kernels_match_reference_under_interpreter():
+    # A subprocess: TRITON_INTERPRET must be set before triton is imported.
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "tests.kernels.paged_attention_cases", "--device", "cpu"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "OK"
+    for case in CPU_CASES:  # every case ran and printed its error
+        assert any(line.startswith(f"{case.name} float32: max abs error") for line in lines), case.name
+    assert "PagedAttention triton backend vs torch backend: match" in lines
+    assert "ModelRunner triton backend vs torch backend: match" in lines  # eager, the whole model
+
+
+def test_no_cache_reference_equals_cached_reference():
+    # The no-cache path (profiling run; plain causal SDPA) and the paged path agree on whole prompts.
+    g = torch.Generator().manual_seed(0)
+    q_lens, bs = [3, 6], 4
+    q = torch.randn(9, 4, 8, generator=g)
+    k, v = torch.randn(2, 9, 2, 8, generator=g)
+    k_cache, v_cache = torch.zeros(2, 5, bs, 2, 8)
+    tables = torch.tensor([[4, 0], [1, 3]], dtype=torch.int32)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        cache[4, :3], cache[1], cache[3, :2] = new[:3], new[3:7], new[7:]
+    flat = paged_prefill_attention_reference(q, k, v, q_lens, q_lens, 0.3)
+    paged = paged_prefill_attention_reference(q, k_cache, v_cache, q_lens, q_lens, 0.3, tables)
+    assert torch.allclose(flat, paged, atol=1e-6)
+    # and the first query of each sequence attends to its own key only: its output is that key's value
+    assert torch.allclose(flat[[0, 3]], v[[0, 3]].repeat_interleave(2, dim=1), atol=1e-6)
+
+
+def test_decode_reference_masks_past_context():
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 3, 4, 1, 8, generator=g)
+    q = torch.randn(1, 2, 8, generator=g)
+    tables, ctx = torch.tensor([[2, 0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    out = paged_decode_attention_reference(q, k_cache, v_cache, tables, ctx, 12, 0.5)
+    v_cache[0, 1:] = 1e6  # positions 5.. (block 0 from offset 1) and block 1 are past the context
+    v_cache[1] = 1e6
+    assert torch.equal(out, paged_decode_attention_reference(q, k_cache, v_cache, tables, ctx, 12, 0.5))
+
+
+def test_backend_choice(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", None)  # flash-attn not installed
+    assert choose_attn_backend(cpu, torch.float32) == "torch"
+    assert choose_attn_backend(cuda, torch.bfloat16) == "triton"  # no CUDA call on this path
+    monkeypatch.setattr(paged_attention, "triton", None)
+    assert choose_attn_backend(cuda, torch.bfloat16) == "torch"
+    with pytest.raises(RuntimeError, match="triton is not installed"):
+        paged_attention.paged_decode_attention(torch.zeros(1, 1, 16), torch.zeros(1, 4, 1, 16),
+                                               torch.zeros(1, 4, 1, 16), torch.zeros(1, 1, dtype=torch.int32),
+                                               torch.ones(1, dtype=torch.int32), 1.0)
