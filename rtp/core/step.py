@@ -18,6 +18,7 @@ import struct
 import sys
 import zlib
 from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from itertools import accumulate
@@ -36,7 +37,7 @@ class StepKind(IntEnum):
     PROFILE = 3  # reserved: toggle the profiler
 
 
-@dataclass
+@dataclass(slots=True)
 class NewSeq:
     """A sequence scheduled for the first time (or again after preemption)."""
 
@@ -47,9 +48,9 @@ class NewSeq:
     num_new_tokens: int  # query length of this step (a prefill chunk)
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedSeq:
-    """A sequence the workers already mirror: only what changed."""
+    """A sequence the workers already mirror: only what changed (one row of :class:`CachedSeqs`)."""
 
     seq_id: int
     num_new_tokens: int  # query length of this step (1 for decode)
@@ -57,21 +58,100 @@ class CachedSeq:
     new_block_ids: list[int]  # blocks appended to the block table since the last step
 
 
+class CachedSeqs:
+    """The cached sequences of one step, stored as columns; reads like a list of :class:`CachedSeq`.
+
+    A decode step of 256 sequences is six flat int lists instead of 256
+    objects, so the scheduler fills it with a few appends per sequence, the wire
+    format packs each column in one call, and the mirror applies the columns
+    with array operations. Indexing and iteration build :class:`CachedSeq`
+    copies: changing one does not change the plan; use :meth:`append`.
+    """
+
+    __slots__ = ("seq_ids", "num_new_tokens", "token_counts", "token_ids", "block_counts", "block_ids")
+
+    def __init__(self, seqs: Iterable[CachedSeq] = ()) -> None:
+        self.seq_ids: list[int] = []  # [n]
+        self.num_new_tokens: list[int] = []  # [n] query length of each sequence
+        self.token_counts: list[int] = []  # [n] new token ids of each sequence
+        self.token_ids: list[int] = []  # [sum(token_counts)] every sequence's new token ids, in order
+        self.block_counts: list[int] = []  # [n] new block ids of each sequence
+        self.block_ids: list[int] = []  # [sum(block_counts)] every sequence's new block ids, in order
+        for seq in seqs:
+            self.append(seq)
+
+    @classmethod
+    def from_columns(
+        cls, seq_ids: list[int], num_new_tokens: list[int], token_counts: list[int], token_ids: list[int],
+        block_counts: list[int], block_ids: list[int],
+    ) -> CachedSeqs:
+        """Wrap existing columns (not copied). The counts must sum to the lengths of the flat lists."""
+        out = cls()
+        out.seq_ids, out.num_new_tokens = seq_ids, num_new_tokens
+        out.token_counts, out.token_ids = token_counts, token_ids
+        out.block_counts, out.block_ids = block_counts, block_ids
+        return out
+
+    def add(self, seq_id: int, num_new_tokens: int, new_token_ids: list[int], new_block_ids: list[int]) -> None:
+        """Append one sequence's delta."""
+        self.seq_ids.append(seq_id)
+        self.num_new_tokens.append(num_new_tokens)
+        self.token_counts.append(len(new_token_ids))
+        self.token_ids += new_token_ids
+        self.block_counts.append(len(new_block_ids))
+        self.block_ids += new_block_ids
+
+    def append(self, seq: CachedSeq) -> None:
+        """Append one sequence's delta given as a record."""
+        self.add(seq.seq_id, seq.num_new_tokens, seq.new_token_ids, seq.new_block_ids)
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def __iter__(self) -> Iterator[CachedSeq]:
+        tok_ends, blk_ends = accumulate(self.token_counts), accumulate(self.block_counts)
+        for seq_id, n, nt, t_end, nb, b_end in zip(
+            self.seq_ids, self.num_new_tokens, self.token_counts, tok_ends, self.block_counts, blk_ends
+        ):
+            yield CachedSeq(seq_id, n, self.token_ids[t_end - nt : t_end], self.block_ids[b_end - nb : b_end])
+
+    def __getitem__(self, index: int) -> CachedSeq:
+        return list(self)[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, CachedSeqs):
+            return all(getattr(self, name) == getattr(other, name) for name in self.__slots__)
+        if isinstance(other, list):
+            return list(self) == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return f"CachedSeqs({list(self)!r})"
+
+
 @dataclass
 class StepPlan:
-    """One step's metadata, identical on every rank."""
+    """One step's metadata, identical on every rank.
+
+    ``cached_seqs`` may be given as a list of :class:`CachedSeq`; it is stored as
+    :class:`CachedSeqs`.
+    """
 
     kind: StepKind = StepKind.STEP
     new_seqs: list[NewSeq] = field(default_factory=list)
-    cached_seqs: list[CachedSeq] = field(default_factory=list)
+    cached_seqs: CachedSeqs = field(default_factory=CachedSeqs)
     freed_seq_ids: list[int] = field(default_factory=list)  # finished, aborted or preempted
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cached_seqs, CachedSeqs):
+            self.cached_seqs = CachedSeqs(self.cached_seqs)
 
     @property
     def num_tokens(self) -> int:
         """Total number of query tokens in this step."""
-        return sum(s.num_new_tokens for s in self.new_seqs) + sum(
-            s.num_new_tokens for s in self.cached_seqs
-        )
+        return sum(s.num_new_tokens for s in self.new_seqs) + sum(self.cached_seqs.num_new_tokens)
 
 
 # ----------------------------------------------------------------------------
@@ -92,6 +172,7 @@ class StepPlan:
 #           holds this message's values (uniform / u8 / u16 / u32):
 #             new: token counts, block counts, num_computed, num_new [n_new]
 #             cached: num_new, token counts, block counts [n_cached]
+#           (the cached arrays are exactly the columns of CachedSeqs).
 #
 # The crc32 covers the header (minus the crc field) and the body, so a
 # corrupted or truncated buffer is rejected instead of decoded into garbage.
@@ -131,8 +212,18 @@ def _int_array(typecode: str, values: list[int], what: str, lo: int, hi: int) ->
     return arr
 
 
-def _pack_int32(values: list[int], what: str) -> bytes:
-    return _int_array("i", values, what, _I32_MIN, _I32_MAX).tobytes()
+def _pack_int32(fields: list[tuple[list[int], str]]) -> bytes:
+    """The int32 arrays of the body, back to back; ``fields`` holds (values, name for errors) pairs."""
+    arr = array("i")
+    for values, what in fields:
+        try:
+            arr.fromlist(values if isinstance(values, list) else list(values))  # fromlist: 3x faster than extend
+        except (OverflowError, TypeError):
+            bad = next((v for v in values if not isinstance(v, int) or not _I32_MIN <= v <= _I32_MAX), None)
+            raise StepFormatError(f"{what} must be integers in [{_I32_MIN}, {_I32_MAX}], got {bad!r}") from None
+    if _BIG_ENDIAN_HOST:
+        arr.byteswap()
+    return arr.tobytes()
 
 
 def _pack_counts(values: list[int], what: str) -> tuple[int, bytes, int]:
@@ -162,28 +253,33 @@ def encode(plan: StepPlan) -> bytes:
         raise StepFormatError(f"unknown StepKind {plan.kind!r}; allowed: {[k.name for k in StepKind]}") from None
     new, cached = plan.new_seqs, plan.cached_seqs
 
-    int_parts = [
-        _pack_int32([s.seq_id for s in new], "NewSeq.seq_id"),
-        _pack_int32([t for s in new for t in s.token_ids], "NewSeq.token_ids"),
-        _pack_int32([b for s in new for b in s.block_table], "NewSeq.block_table"),
-        _pack_int32([s.seq_id for s in cached], "CachedSeq.seq_id"),
-        _pack_int32([t for s in cached for t in s.new_token_ids], "CachedSeq.new_token_ids"),
-        _pack_int32([b for s in cached for b in s.new_block_ids], "CachedSeq.new_block_ids"),
-        _pack_int32(plan.freed_seq_ids, "StepPlan.freed_seq_ids"),
-    ]
+    ints = _pack_int32([
+        ([s.seq_id for s in new], "NewSeq.seq_id"),
+        ([t for s in new for t in s.token_ids], "NewSeq.token_ids"),
+        ([b for s in new for b in s.block_table], "NewSeq.block_table"),
+        (cached.seq_ids, "CachedSeq.seq_id"),
+        (cached.token_ids, "CachedSeq.new_token_ids"),
+        (cached.block_ids, "CachedSeq.new_block_ids"),
+        (plan.freed_seq_ids, "StepPlan.freed_seq_ids"),
+    ])
     counts = [
         _pack_counts([len(s.token_ids) for s in new], "len(NewSeq.token_ids)"),
         _pack_counts([len(s.block_table) for s in new], "len(NewSeq.block_table)"),
         _pack_counts([s.num_computed_tokens for s in new], "NewSeq.num_computed_tokens"),
         _pack_counts([s.num_new_tokens for s in new], "NewSeq.num_new_tokens"),
-        _pack_counts([s.num_new_tokens for s in cached], "CachedSeq.num_new_tokens"),
-        _pack_counts([len(s.new_token_ids) for s in cached], "len(CachedSeq.new_token_ids)"),
-        _pack_counts([len(s.new_block_ids) for s in cached], "len(CachedSeq.new_block_ids)"),
+        _pack_counts(cached.num_new_tokens, "CachedSeq.num_new_tokens"),
+        _pack_counts(cached.token_counts, "len(CachedSeq.new_token_ids)"),
+        _pack_counts(cached.block_counts, "len(CachedSeq.new_block_ids)"),
     ]
     totals = [counts[0][2], counts[1][2], counts[5][2], counts[6][2]]
+    n_cached = len(cached.seq_ids)
+    if not (len(cached.num_new_tokens) == len(cached.token_counts) == len(cached.block_counts) == n_cached
+            and totals[2] == len(cached.token_ids) and totals[3] == len(cached.block_ids)):
+        raise StepFormatError("CachedSeqs columns are inconsistent: per-sequence columns differ in length, "
+                              "or the counts do not sum to the flat token / block lists")
     if max(totals + [len(new), len(cached), len(plan.freed_seq_ids)]) > _U32_MAX:
         raise StepFormatError("a StepPlan array is longer than 2**32-1 elements")
-    body = b"".join(int_parts + [c[1] for c in counts])
+    body = b"".join([ints, *(c[1] for c in counts)])
     header = _HEADER.pack(
         _MAGIC,
         WIRE_VERSION,
@@ -228,14 +324,6 @@ class _Reader:
 
 def _split(flat: list[int], lengths: list[int]) -> list[list[int]]:
     """Cut ``flat`` into consecutive lists of the given lengths."""
-    if lengths and lengths.count(lengths[0]) == len(lengths):
-        # Uniform lengths (the decode case: one token, zero blocks): no running offset.
-        n = lengths[0]
-        if n == 0:
-            return [[] for _ in lengths]
-        if n == 1:
-            return [[x] for x in flat]
-        return [flat[i : i + n] for i in range(0, len(flat), n)]
     ends = accumulate(lengths)
     return [flat[end - n : end] for end, n in zip(ends, lengths)]
 
@@ -266,13 +354,10 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
             raise StepFormatError(f"unknown count encoding {code} in StepPlan buffer")
 
     r = _Reader(mv, _HEADER.size)
-    new_ids = r.int32(n_new, "new seq ids")
-    new_tokens = r.int32(totals[0], "new seq token ids")
-    new_blocks = r.int32(totals[1], "new seq block tables")
-    cached_ids = r.int32(n_cached, "cached seq ids")
-    cached_tokens = r.int32(totals[2], "cached seq new token ids")
-    cached_blocks = r.int32(totals[3], "cached seq new block ids")
-    freed = r.int32(n_freed, "freed seq ids")
+    # The seven int32 arrays lie back to back: read them in one go, then cut.
+    int_lengths = [n_new, totals[0], totals[1], n_cached, totals[2], totals[3], n_freed]
+    ints = r.int32(sum(int_lengths), "the id, token and block arrays")
+    new_ids, new_tokens, new_blocks, cached_ids, cached_tokens, cached_blocks, freed = _split(ints, int_lengths)
     sizes = [n_new] * 4 + [n_cached] * 3
     c = [r.counts(code, n, f"count array {i}") for i, (code, n) in enumerate(zip(codes, sizes))]
     if r.pos != len(mv):
@@ -289,8 +374,6 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
         NewSeq(i, t, b, nc, nn)
         for i, t, b, nc, nn in zip(new_ids, _split(new_tokens, c[0]), _split(new_blocks, c[1]), c[2], c[3])
     ]
-    cached_seqs = [
-        CachedSeq(i, nn, t, b)
-        for i, nn, t, b in zip(cached_ids, c[4], _split(cached_tokens, c[5]), _split(cached_blocks, c[6]))
-    ]
+    # Cached sequences stay in columns: a decode step builds no per-sequence objects.
+    cached_seqs = CachedSeqs.from_columns(cached_ids, c[4], c[5], cached_tokens, c[6], cached_blocks)
     return StepPlan(kind=step_kind, new_seqs=new_seqs, cached_seqs=cached_seqs, freed_seq_ids=freed)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rtp.dist.shm_allreduce import ShmAllReduce
 from rtp.errors import ConfigError
 from rtp.log import get_logger
 
@@ -34,6 +35,8 @@ class ParallelState:
     device: torch.device
     tp_group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    node_reduce: ShmAllReduce | None = None
+    """Shared-memory collectives for CPU tensors when every rank is on this node (set by the runtime)."""
 
     @property
     def tp_rank(self) -> int:
@@ -79,6 +82,8 @@ class ParallelState:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the TP group, in place; returns ``x``."""
         if self.world_size > 1:
+            if self.node_reduce is not None and x.device.type == "cpu":
+                return self.node_reduce.all_reduce(x)
             dist.all_reduce(x, group=self.tp_group)
         return x
 
@@ -86,6 +91,8 @@ class ParallelState:
         """Concatenate each rank's ``x`` along ``dim`` on rank 0; other ranks get None."""
         if self.world_size == 1:
             return x
+        if self.node_reduce is not None and x.device.type == "cpu":
+            return self.node_reduce.gather(x, dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(x, parts, dst=0, group=self.tp_group)
@@ -98,6 +105,11 @@ class ParallelState:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
+
+    def barrier(self) -> None:
+        """Wait for every rank (control group)."""
+        if self.world_size > 1:
+            dist.barrier(group=self.cpu_group)
 
     def broadcast_object(self, obj: object) -> object:
         """Send a small picklable object from rank 0 to every rank (startup only)."""
@@ -121,6 +133,9 @@ class ParallelState:
             except RuntimeError as e:
                 logger.debug("no barrier before teardown: %s", e)
             dist.destroy_process_group()
+        if self.node_reduce is not None:
+            self.node_reduce.close()
+            self.node_reduce = None
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:

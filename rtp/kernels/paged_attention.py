@@ -47,7 +47,8 @@ def triton_available() -> bool:
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     # cache: [num_blocks, block_size, Hkv, D]; table: [max_blocks] -> [length, Hkv, D]
     n = -(-length // cache.shape[1])
-    return cache[table[:n].long()].flatten(0, 1)[:length]
+    # index_select copies whole blocks (memcpy per block); advanced indexing goes element by element.
+    return cache.index_select(0, table[:n].long()).flatten(0, 1)[:length]
 
 
 def paged_prefill_attention_reference(
@@ -109,9 +110,10 @@ def paged_decode_attention_reference(
     """
     rep = q.shape[1] // k_cache.shape[2]
     n_blocks = -(-max_seqlen_k // k_cache.shape[1])
-    table = block_tables[:, :n_blocks].long()  # [B, n_blocks]
-    k = k_cache[table].flatten(1, 2)  # [B, L, Hkv, D]
-    v = v_cache[table].flatten(1, 2)
+    b = q.shape[0]
+    table = block_tables[:, :n_blocks].long().flatten()  # [B * n_blocks]
+    k = k_cache.index_select(0, table).view(b, -1, *k_cache.shape[2:])  # [B, L, Hkv, D]
+    v = v_cache.index_select(0, table).view(b, -1, *v_cache.shape[2:])
     pos = torch.arange(k.shape[1], device=q.device)
     mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)).unsqueeze(1).unsqueeze(1)  # [B, 1, 1, L]
     o = F.scaled_dot_product_attention(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtp.dist.parallel import ParallelState
-from rtp.model.linear import _copy
+from rtp.model.linear import PackableLinear, _copy
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,11 +47,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.ps.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Output projection: each rank computes its vocab slice, rank 0 gathers the logits."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [N, dim] -> logits [N, vocab_size] on rank 0, None elsewhere
-        local = F.linear(hidden, self.weight)  # [N, V_local]
+        local = self.matmul(hidden)  # [N, V_local]
         full = self.ps.gather_to_driver(local, dim=-1)
         return full[:, : self.vocab_size] if full is not None else None

@@ -4,6 +4,11 @@ Each parameter carries a ``weight_loader(param, source, shard_id=None)`` that
 copies this rank's slice from a checkpoint tensor. ``source`` is anything with
 ``get_shape()`` and slicing (a safetensors ``get_slice`` handle), so a rank
 reads only its slice.
+
+On CPU, :func:`pack_linear_weights` re-lays every weight out once, after loading,
+in oneDNN's blocked format: the matmul then runs from the packed copy
+(2-4x faster than ``F.linear``'s MKL path at decode shapes on AVX-512 CPUs),
+and the plain copy is dropped.
 """
 
 from __future__ import annotations
@@ -32,12 +37,61 @@ def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
     param.data.copy_(value)
 
 
+def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where torch's oneDNN linear with a pre-packed weight can run: CPU, fp32 or bf16."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` re-laid out for oneDNN (an opaque mkldnn tensor); use with :func:`packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` from a weight packed by :func:`pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackableLinear(nn.Module):
+    """A linear layer's weight and matmul, from the plain weight or from a oneDNN-packed copy."""
+
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+    def pack(self, keep_plain: bool = False) -> None:
+        """Pack the loaded weight for oneDNN; drop the plain copy unless another user shares it."""
+        self.packed = pack_weight(self.weight)
+        if not keep_plain:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Pack every :class:`PackableLinear` of ``model`` (after loading); returns how many were packed."""
+    layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    # A weight that another module also reads (a tied embedding) keeps its plain copy.
+    shared = {id(p) for m in model.modules() if not isinstance(m, PackableLinear) for p in m.parameters(recurse=False)}
+    for m in layers:
+        m.pack(keep_plain=id(m.weight) in shared)
+    return len(layers)
+
+
 def load_full(param: nn.Parameter, source, shard_id=None) -> None:  # noqa: ANN001
     """Default loader: the parameter is replicated on every rank."""
     _copy(param, source[:])
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackableLinear):
     """``y = x Wᵀ`` with W split by output rows: each rank produces a slice of y."""
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = False) -> None:
@@ -56,7 +110,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, source[start : start + param.shape[0]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -114,7 +168,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         _copy(param.data[offset : offset + size], source[start : start + size])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """``y = x Wᵀ`` with W split by input columns; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = False) -> None:
@@ -134,5 +188,5 @@ class RowParallelLinear(nn.Module):
         _copy(param, source[:, start : start + self.in_local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ps.all_reduce(F.linear(x, self.weight))
+        y = self.ps.all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y

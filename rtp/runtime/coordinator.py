@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from rtp.config import RtpConfig, resolve_tp_size
 from rtp.core.step import StepKind, StepPlan, encode
+from rtp.dist import shm_allreduce
 from rtp.dist.liveness import Watchdog
 from rtp.dist.parallel import ParallelState
 from rtp.dist.shm_channel import ShmChannel, cleanup_stale_segments, make_channel_name
@@ -226,6 +227,20 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
     ps = ParallelState.from_env(config.device, timeout_s=max(config.liveness_timeout_s, 60.0))
     setup_logging(ps.rank, config.log_level)
     resolve_tp_size(config, ps.world_size)
+    pids: list[int] = [os.getpid()]
+    if ps.world_size > 1:
+        peers = [None] * ps.world_size
+        dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=ps.cpu_group)
+        hosts = sorted({host for host, _ in peers})
+        if len(hosts) > 1:
+            # The step channel and the pid watchdog need one machine; say so instead of timing out.
+            raise RtpError(
+                f"all ranks must run on one node (rtp's step channel is shared memory); found hosts {hosts}"
+            )
+        pids = [pid for _, pid in peers]
+        if ps.device.type == "cpu" and shm_allreduce.supported():
+            # Layers' all-reduces and the logits gather go through shared memory instead of gloo.
+            ps.node_reduce = shm_allreduce.create_and_attach(ps, pids, max(config.liveness_timeout_s, 60.0))
     runner = ModelRunner(
         ps, model_dir, dtype=config.dtype, block_size=config.block_size, max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
@@ -237,13 +252,6 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
         runtime = Runtime(config, ps, Engine(config, runner, model_dir), None, {})
         _install_exit_handlers(runtime)
         return runtime
-    peers = [None] * ps.world_size
-    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=ps.cpu_group)
-    hosts = sorted({host for host, _ in peers})
-    if len(hosts) > 1:
-        # The step channel and the pid watchdog need one machine; say so instead of timing out.
-        raise RtpError(f"all ranks must run on one node (rtp's step channel is shared memory); found hosts {hosts}")
-    pids = [pid for _, pid in peers]
     if ps.rank == 0:
         try:
             cleanup_stale_segments()  # segments of crashed runs: removed, each one logged

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from rtp.config import RtpConfig
 from rtp.core.scheduler import Scheduler, SchedulerConfig
-from rtp.core.sequence import Sequence
+from rtp.core.sequence import Sequence, SequenceStatus
 from rtp.core.step import StepPlan
 from rtp.errors import RequestError
 from rtp.log import get_logger
@@ -179,38 +179,42 @@ class Engine:
             return changed
         self.transport(plan)
         logits = self.runner.execute(plan)
-        to_sample = [s for s in result.scheduled if s.needs_sample]
+        to_sample = list(itertools.compress(result.seqs, result.needs_sample))  # [S] in batch order, as the logits rows
         tokens: list[int] = []
         logprobs: list = []
         if to_sample:
-            rows = [SampleRow(s.seq.params, s.seq.num_completion_tokens) for s in to_sample]
+            rows = [SampleRow(seq.params, seq.num_completion_tokens) for seq in to_sample]
             sampled = self.sampler.sample(logits, rows)
             tokens, logprobs = sampled.token_ids, sampled.logprobs
         self.scheduler.postprocess(result, tokens)
         now = time.time()
-        for s, token, lp in zip(to_sample, tokens, logprobs):
-            req = self._by_seq[s.seq.seq_id]
-            out = req.out
+        by_seq, finished_status = self._by_seq, SequenceStatus.FINISHED
+        for seq, token, lp in zip(to_sample, tokens, logprobs):
+            req = by_seq[seq.seq_id]
+            out, detok = req.out, req.detok
             out.new_token_ids = [token]
             out.token_ids.append(token)
             if out.logprobs is not None:
                 out.logprobs.append(lp)
             if out.first_token_time is None:
                 out.first_token_time = now
-            stopped_by_token = s.seq.is_finished and s.seq.finish_reason == "stop"
             delta = ""
-            if not stopped_by_token:
-                delta, stopped = req.detok.add(token)
+            # A stop or EOS token that ended the request never reaches the text.
+            if seq.status is not finished_status or seq.finish_reason != "stop":
+                delta, stopped = detok.add(token)
                 if stopped:  # a stop string wins over reaching max_tokens on the same token
-                    self.scheduler.finish(s.seq.seq_id, "stop")
-                    s.seq.finish_reason = "stop"
-            if s.seq.is_finished:
-                delta += req.detok.flush()
-                out.finish_reason = s.seq.finish_reason
-                out.num_cached_tokens = s.seq.num_cached_tokens
-            out.new_text = delta
-            out.text = req.detok.text
-            changed.append(self._finish(req) if out.finished else out)
+                    self.scheduler.finish(seq.seq_id, "stop")
+                    seq.finish_reason = "stop"
+            if seq.status is finished_status:
+                out.new_text = delta + detok.flush()
+                out.text = detok.text
+                out.finish_reason = seq.finish_reason
+                out.num_cached_tokens = seq.num_cached_tokens
+                changed.append(self._finish(req))
+            else:
+                out.new_text = delta
+                out.text = detok.text
+                changed.append(out)
         return changed
 
     def fail_all(self, message: str) -> list[RequestOutput]:

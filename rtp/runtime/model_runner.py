@@ -13,6 +13,7 @@ from rtp.dist.parallel import ParallelState
 from rtp.errors import ConfigError
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend
+from rtp.model.linear import onednn_packing_supported, pack_linear_weights
 from rtp.model.loader import LoadReport, load_weights
 from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rtp.runtime.batch import BatchInputs, BatchMirror
@@ -50,6 +51,9 @@ def load_model(
     with _default_dtype(dtype), torch.device(ps.device):
         model = Qwen3ForCausalLM(spec, ps, hf_config, max(max_positions or 0, spec.max_position_embeddings))
     report = load_weights(model, model_dir)
+    if onednn_packing_supported(ps.device, dtype):
+        n = pack_linear_weights(model)
+        logger.info("packed %d linear weights for oneDNN", n)
     return model.eval(), report
 
 

@@ -53,7 +53,7 @@ class World:
             m = self.mirror[cs.seq_id]
             m["tokens"] += cs.new_token_ids
             m["blocks"] += cs.new_block_ids
-        batch = [(s.seq_id, s.num_new_tokens) for s in plan.new_seqs + plan.cached_seqs]
+        batch = [(s.seq_id, s.num_new_tokens) for s in [*plan.new_seqs, *plan.cached_seqs]]
         assert batch == [(s.seq.seq_id, s.num_new_tokens) for s in result.scheduled]
         # The mirror of every scheduled sequence equals the scheduler's view of it.
         for item in result.scheduled:

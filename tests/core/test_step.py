@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rtp.core import step as step_mod
-from rtp.core.step import CachedSeq, NewSeq, StepFormatError, StepKind, StepPlan, decode, encode
+from rtp.core.step import CachedSeq, CachedSeqs, NewSeq, StepFormatError, StepKind, StepPlan, decode, encode
 
 I32 = st.integers(-(2**31), 2**31 - 1)
 TOKEN = st.integers(0, 2**31 - 1)
@@ -100,11 +100,15 @@ def test_decode_step_is_compact() -> None:
     assert len(buf) < 3.5 * 1024, len(buf)
     # Lower bound from the information content: an int32 id and an int32 token per sequence.
     assert len(buf) >= 256 * 8
-    assert len(buf) < len(pickle.dumps(plan)) / 2
-    # An occasional new block costs only a few bytes more.
-    plan.cached_seqs[3].new_block_ids.append(123)
+    # Pickling the per-sequence records (what a generic RPC would send) costs twice as much.
+    assert len(buf) < len(pickle.dumps(list(plan.cached_seqs))) / 2
+    # An occasional new block costs a u8 count per sequence more.
+    records = list(plan.cached_seqs)
+    records[3].new_block_ids.append(123)
+    plan = StepPlan(cached_seqs=records)
     assert len(encode(plan)) < 3.5 * 1024
     assert decode(encode(plan)) == plan
+    assert decode(encode(plan)).cached_seqs[3].new_block_ids == [123]
 
 
 def test_every_truncation_is_rejected() -> None:
@@ -188,3 +192,25 @@ def test_wrong_magic_version_and_garbage() -> None:
 def test_unencodable_plans_raise_value_error(plan: StepPlan) -> None:
     with pytest.raises(StepFormatError):
         encode(plan)
+
+
+def test_cached_seqs_read_like_a_list_of_records() -> None:
+    records = [CachedSeq(5, 1, [7], []), CachedSeq(6, 3, [], [1, 2]), CachedSeq(9, 1, [8, 9], [4])]
+    cols = CachedSeqs(records)
+    assert len(cols) == 3 and list(cols) == records and cols == records and cols[1] == records[1]
+    assert (cols.seq_ids, cols.num_new_tokens, cols.token_counts, cols.token_ids, cols.block_counts,
+            cols.block_ids) == ([5, 6, 9], [1, 3, 1], [1, 0, 2], [7, 8, 9], [0, 2, 1], [1, 2, 4])
+    assert StepPlan(cached_seqs=records) == StepPlan(cached_seqs=cols)  # a list is converted
+    assert StepPlan(cached_seqs=records) != StepPlan(cached_seqs=records[:2])
+    assert not CachedSeqs() and CachedSeqs() == []
+    cols[0].new_token_ids.append(99)  # items are copies
+    assert list(cols) == records
+
+
+def test_inconsistent_columns_are_not_encoded() -> None:
+    cols = CachedSeqs.from_columns([1, 2], [1, 1], [1, 1], [5], [0, 0], [])  # counts say 2 tokens, 1 given
+    with pytest.raises(StepFormatError, match="inconsistent"):
+        encode(StepPlan(cached_seqs=cols))
+    cols = CachedSeqs.from_columns([1, 2], [1], [1, 1], [5, 6], [0, 0], [])  # num_new_tokens too short
+    with pytest.raises(StepFormatError, match="inconsistent"):
+        encode(StepPlan(cached_seqs=cols))

@@ -38,7 +38,7 @@ class ScriptedRunner:
         batch = self.mirror.apply(plan)
         rows = []
         for seq_id in batch.seq_ids:
-            seq = self.mirror.seqs[seq_id]
+            seq = self.mirror.get(seq_id)
             if seq.num_computed != len(seq.token_ids):
                 continue  # not sampled this step
             generated = len(seq.token_ids) - self.prompt_len[seq_id]

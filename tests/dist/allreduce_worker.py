@@ -1,0 +1,68 @@
+"""Run under torchrun by test_shm_allreduce.py: checks the shared-memory collectives against a reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from rtp.dist import shm_allreduce
+from rtp.dist.parallel import ParallelState
+from rtp.errors import WorkerDiedError
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    ps = ParallelState.from_env("cpu")
+    pids = [None] * ps.world_size
+    dist.all_gather_object(pids, os.getpid(), group=ps.cpu_group)
+    ar = shm_allreduce.create_and_attach(ps, pids, timeout_s=20.0, slot_bytes=4096)  # tiny slots: force pieces
+    ps.barrier()  # rank 0 unlinks the name when it leaves setup
+    leaked = [n for n in os.listdir("/dev/shm") if n.startswith(f"rtp_{pids[0]}_")]
+    assert not leaked, f"segment still named after setup: {leaked}"
+    if mode == "dead":
+        if ps.rank == 1:
+            os._exit(0)  # leave without ever joining the collective
+        try:
+            ar.all_reduce(torch.ones(8))
+        except WorkerDiedError as e:
+            print(f"rank {ps.rank}: {e}", flush=True)
+            os._exit(3)
+        os._exit(4)
+    g = torch.Generator().manual_seed(1234)  # the same stream on every rank: every rank knows every input
+    for numel in [0, 1, 7, 1023, 1024, 1025, 5000, 70001]:
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = [torch.randn(numel, generator=g).to(dtype) for _ in range(ps.world_size)]
+            x = inputs[ps.rank].clone()
+            ar.all_reduce(x)
+            ref = inputs[0] + inputs[1]
+            for r in range(2, ps.world_size):
+                ref = ref + inputs[r]
+            assert torch.equal(x, ref), (numel, dtype)  # bitwise: the same additions in the same order
+            # gather along the last dim of a 2-D view
+            rows = max(1, numel // 7)
+            parts = [t[: rows * (numel // rows)].view(rows, -1) for t in inputs] if numel else [t for t in inputs]
+            got = ar.gather(parts[ps.rank], dim=-1)
+            if ps.rank == 0:
+                assert torch.equal(got, torch.cat(parts, dim=-1)), (numel, dtype)
+            else:
+                assert got is None
+    # A non-contiguous tensor is reduced in place too.
+    base = torch.full((6, 10), float(ps.rank + 1))
+    view = base[:, ::2]
+    ar.all_reduce(view)
+    total = sum(range(1, ps.world_size + 1))
+    assert torch.equal(base[:, ::2], torch.full((6, 5), float(total))) and torch.equal(base[:, 1::2][0, 0:1],
+                                                                                        torch.tensor([ps.rank + 1.0]))
+    # Through ParallelState, as the layers call it.
+    ps.node_reduce = ar
+    y = torch.full((3, 4), float(ps.rank))
+    assert ps.all_reduce(y) is y and torch.equal(y, torch.full((3, 4), float(sum(range(ps.world_size)))))
+    print(f"rank {ps.rank}: OK", flush=True)
+    ps.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""oneDNN-packed linears equal F.linear, and packing keeps exactly the weights other modules read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rtp.dist.parallel import ParallelState
+from rtp.model.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    onednn_packing_supported,
+    pack_linear_weights,
+    pack_weight,
+    packed_linear,
+)
+
+pytestmark = pytest.mark.skipif(
+    not onednn_packing_supported(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
+)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 17, 64, 300])
+@pytest.mark.parametrize("in_f, out_f", [(32, 48), (96, 7), (64, 1000)])
+def test_packed_linear_matches_f_linear(rows: int, in_f: int, out_f: int) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + out_f)
+    w = torch.randn(out_f, in_f, generator=g)
+    b = torch.randn(out_f, generator=g)
+    x = torch.randn(rows, in_f, generator=g)
+    packed = pack_weight(w)
+    torch.testing.assert_close(packed_linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # A strided view (a q/k/v split) is a valid input too.
+    wide = torch.randn(rows, 2 * in_f, generator=g)[:, :in_f]
+    torch.testing.assert_close(packed_linear(wide, packed), F.linear(wide, w), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_give_the_same_output_after_packing() -> None:
+    ps = ParallelState.single()
+    torch.manual_seed(0)
+    col, row = ColumnParallelLinear(24, 40, ps, bias=True), RowParallelLinear(40, 24, ps, bias=True)
+    for p in (col.weight, col.bias, row.weight, row.bias):
+        p.data.normal_()
+    x = torch.randn(5, 24)
+    before = row(col(x))
+    assert pack_linear_weights(torch.nn.Sequential(col, row)) == 2
+    assert col.packed is not None and col.weight.numel() == 0  # the plain copy is dropped
+    torch.testing.assert_close(row(col(x)), before, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_lm_head_keeps_the_embedding_weight(tmp_path) -> None:  # noqa: ANN001
+    from rtp.runtime.model_runner import load_model
+    from rtp.testing import TinyQwen3Spec, make_tiny_qwen3
+
+    for tied in (True, False):
+        path = make_tiny_qwen3(tmp_path / str(tied), TinyQwen3Spec(tie_word_embeddings=tied))
+        model, _ = load_model(path, ParallelState.single(), torch.float32)
+        assert model.lm_head.packed is not None
+        assert model.model.embed_tokens.weight.numel() > 0  # the embedding lookup still has its rows
+        assert (model.lm_head.weight.numel() > 0) == tied  # an untied head drops its plain copy
+        assert model.model.layers[0].mlp.gate_up_proj.weight.numel() == 0
