@@ -48,7 +48,8 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tens
     # cache: [num_blocks, block_size, Hkv, D]; table: [max_blocks] -> [length, Hkv, D]
     n = -(-length // cache.shape[1])
     # index_select copies whole blocks (memcpy per block); advanced indexing goes element by element.
-    return cache.index_select(0, table[:n].long()).flatten(0, 1)[:length]
+    # Entries past the context may be padding (-1 or 0): clamp so index_select accepts them; never read.
+    return cache.index_select(0, table[:n].long().clamp_min(0)).flatten(0, 1)[:length]
 
 
 def paged_prefill_attention_reference(
@@ -111,7 +112,7 @@ def paged_decode_attention_reference(
     rep = q.shape[1] // k_cache.shape[2]
     n_blocks = -(-max_seqlen_k // k_cache.shape[1])
     b = q.shape[0]
-    table = block_tables[:, :n_blocks].long().flatten()  # [B * n_blocks]
+    table = block_tables[:, :n_blocks].long().clamp_min(0).flatten()  # [B * n_blocks]; padding masked below
     k = k_cache.index_select(0, table).view(b, -1, *k_cache.shape[2:])  # [B, L, Hkv, D]
     v = v_cache.index_select(0, table).view(b, -1, *v_cache.shape[2:])
     pos = torch.arange(k.shape[1], device=q.device)

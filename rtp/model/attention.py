@@ -3,7 +3,10 @@
 - ``"flash"``: flash-attn 2 (CUDA, fp16/bf16, Ampere or newer, block size a multiple of 256).
 - ``"triton"``: the Triton paged-attention kernels of :mod:`rtp.kernels.paged_attention`
   (CUDA without flash-attn; any block size; the decode kernel is CUDA-graph capturable).
-- ``"torch"``: the torch references of the same module (CPU, or a GPU with neither).
+- ``"cpu"``: the C++ decode kernel of :mod:`rtp.kernels.cpu_attention` (reads the paged cache
+  once, no gather), the torch path for prefill; chosen on CPU when the kernel builds.
+- ``"torch"``: the torch references of :mod:`rtp.kernels.paged_attention` (a GPU with neither,
+  or a CPU without a compiler).
 
 Every step flattens its sequences into one token batch: sequence i
 contributes ``q_lens[i]`` query tokens at the end of its ``k_lens[i]`` keys
@@ -21,6 +24,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from rtp.kernels import cpu_attention
 from rtp.kernels.kv_store import store_kv
 from rtp.kernels.paged_attention import (
     paged_decode_attention,
@@ -38,7 +42,7 @@ except ImportError:
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
-AttnBackend = Literal["flash", "triton", "torch"]
+AttnBackend = Literal["flash", "triton", "cpu", "torch"]
 
 
 def flash_attn_available() -> bool:
@@ -62,6 +66,8 @@ def choose_attn_backend(device: torch.device, dtype: torch.dtype) -> AttnBackend
         return "flash"
     if device.type == "cuda" and triton_available():
         return "triton"
+    if device.type == "cpu" and cpu_attention.load() is not None:
+        return "cpu"
     return "torch"
 
 
@@ -104,6 +110,10 @@ class PagedAttention(nn.Module):
             return self._flash(q, k, v, meta, has_cache)
         if self.backend == "triton" and has_cache:
             return self._triton(q, meta)
+        if self.backend == "cpu" and has_cache and meta.decode_only:
+            return cpu_attention.paged_decode_attention_cpu(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
         return self._torch(q, k, v, meta, has_cache)
 
     def _flash(
@@ -138,7 +148,8 @@ class PagedAttention(nn.Module):
     def _torch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, has_cache: bool
     ) -> torch.Tensor:
-        if not has_cache:  # k/v: this step's own [T, Hkv, D]; every sequence is a whole prompt
+        if not has_cache or list(meta.q_lens) == list(meta.k_lens):
+            # Every sequence is a whole prompt: this step's own k/v [T, Hkv, D] hold all its keys.
             return paged_prefill_attention_reference(q, k, v, meta.q_lens, meta.q_lens, self.scale)
         if meta.decode_only:
             return paged_decode_attention_reference(

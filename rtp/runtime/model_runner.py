@@ -104,7 +104,7 @@ class ModelRunner:
         allocate_kv_cache(layers, self.num_blocks, block_size, self.dtype, ps.device)
         self.mirror = BatchMirror(block_size)
         self.graphs: CudaGraphs | None = None
-        if self.attn_backend != "torch" and not enforce_eager:  # flash and Triton decode are capturable
+        if self.attn_backend in ("flash", "triton") and not enforce_eager:  # both decode paths are capturable
             max_blocks = -(-self.max_model_len // block_size)
             self.graphs = CudaGraphs(
                 self.model, ps.device, cuda_graph_max_batch, max_blocks, self.spec.hidden_size, self.dtype
@@ -134,20 +134,16 @@ class ModelRunner:
     def to_device(self, batch: BatchInputs) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
         """Host arrays -> device tensors and attention metadata."""
         dev = self.ps.device
-        q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
-        k_lens = torch.tensor(batch.k_lens, dtype=torch.int32)
-        cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        cu_k = torch.zeros(len(k_lens) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=cu_q[1:])
-        torch.cumsum(k_lens, 0, out=cu_k[1:])
+        # BatchInputs holds every array ready-made (cu_seqlens, context_lens: int32), so this is
+        # from_numpy + copy only: no list -> tensor conversion, no cumsum per step.
         meta = AttnMetadata(
             slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev, non_blocking=True),
-            cu_seqlens_q=cu_q.to(dev, non_blocking=True),
-            cu_seqlens_k=cu_k.to(dev, non_blocking=True),
-            context_lens=k_lens.to(dev, non_blocking=True),
+            cu_seqlens_q=torch.from_numpy(batch.cu_seqlens_q).to(dev, non_blocking=True),
+            cu_seqlens_k=torch.from_numpy(batch.cu_seqlens_k).to(dev, non_blocking=True),
+            context_lens=torch.from_numpy(batch.context_lens).to(dev, non_blocking=True),
             block_tables=torch.from_numpy(batch.block_tables).to(dev, non_blocking=True),
-            max_seqlen_q=max(batch.q_lens),
-            max_seqlen_k=max(batch.k_lens),
+            max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_k=batch.max_seqlen_k,
             q_lens=batch.q_lens,
             k_lens=batch.k_lens,
         )

@@ -63,7 +63,10 @@ def test_decode_reference_masks_past_context():
 def test_backend_choice(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(attention, "flash_attn_varlen_func", None)  # flash-attn not installed
+    monkeypatch.setattr(attention.cpu_attention, "load", lambda: None)  # no C++ compiler
     assert choose_attn_backend(cpu, torch.float32) == "torch"
+    monkeypatch.setattr(attention.cpu_attention, "load", lambda: object())
+    assert choose_attn_backend(cpu, torch.float32) == "cpu"
     assert choose_attn_backend(cuda, torch.bfloat16) == "triton"  # no CUDA call on this path
     monkeypatch.setattr(paged_attention, "triton", None)
     assert choose_attn_backend(cuda, torch.bfloat16) == "torch"

@@ -1,0 +1,41 @@
+"""The C++ CPU decode kernel equals the torch reference, and the runtime uses it on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rtp.kernels import cpu_attention
+from rtp.kernels.paged_attention import paged_decode_attention_reference
+from tests.kernels.paged_attention_cases import CPU_CASES, Case, build
+
+pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C++ compiler: the kernel cannot be built")
+
+CASES = [c for c in CPU_CASES if c.decode] + [
+    # GQA 4:1, a long context over many blocks, one sequence of a single token
+    Case("decode-gqa4-long", [1] * 3, [1, 700, 129], 8, 2, 64, 16),
+    # block size 1 and head_dim 128 (Qwen3's)
+    Case("decode-bs1-d128", [1] * 2, [3, 50], 4, 4, 128, 1),
+    # MQA: every query head reads the one KV head
+    Case("decode-mqa", [1] * 5, [2, 15, 16, 17, 64], 6, 1, 32, 16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_matches_reference(case: Case, dtype: torch.dtype, atol: float) -> None:
+    t = build(case, torch.device("cpu"), dtype, torch.Generator().manual_seed(len(case.name)))
+    scale = case.head_dim**-0.5
+    ref = paged_decode_attention_reference(t["q"].float(), t["k_cache"].float(), t["v_cache"].float(),
+                                           t["tables"], t["ctx"], max(case.k_lens), scale)
+    got = cpu_attention.paged_decode_attention_cpu(t["q"], t["k_cache"], t["v_cache"], t["tables"], t["ctx"], scale)
+    assert got.dtype == dtype and got.shape == t["q"].shape
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=atol)  # poisoned unowned slots would show
+
+
+def test_bad_shapes_are_refused() -> None:
+    q = torch.zeros(2, 3, 16)  # 3 query heads do not split over 2 KV heads
+    cache = torch.zeros(4, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        cpu_attention.paged_decode_attention_cpu(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
+                                                 torch.ones(2, dtype=torch.int32), 1.0)
