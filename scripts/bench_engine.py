@@ -14,7 +14,8 @@ runner, and times each stage of the step loop:
     sample     null sampler: a fixed non-EOS token       (rank 0)
     postproc   Scheduler.postprocess                     (rank 0)
     engine     the rest of Engine.step: inbox, sample    (rank 0)
-               rows, per-token outputs and detokenizer
+               rows (only while a request is not plain
+               greedy), per-token outputs, detokenizer
     detok      with --split-detok only: the detokenizer  (rank 0)
                calls, out of "engine" (each call then also
                pays ~0.5 us of timing wrapper, in detok and engine)
@@ -28,7 +29,7 @@ rank 0 neither reads nor decodes and workers do not schedule.
 Only steady-state decode steps are measured: every sequence is running with a
 128-token prompt already computed, each step computes one token per sequence,
 none finishes (max_tokens is out of reach, the sampled token is not EOS).
-Garbage collection stays on, as in the runtime.
+Garbage collection stays on, as in the runtime (--gc-freeze: frozen after start-up).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_engine.py
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_engine.py --seqs 256 --profile
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import random
 import time
@@ -125,7 +127,13 @@ class FixedSampler:
         self.token = token
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        n = len(rows)
+        return self._output(len(rows))
+
+    def sample_greedy(self, logits: torch.Tensor) -> SamplerOutput:
+        """What the engine calls while every request is plain greedy (no SampleRow objects)."""
+        return self._output(len(logits))
+
+    def _output(self, n: int) -> SamplerOutput:
         return SamplerOutput(token_ids=[self.token] * n, logprobs=[None] * n)
 
 
@@ -163,7 +171,8 @@ def _is_steady_decode(engine: Engine, num_seqs: int) -> bool:
 
 
 def run_case(model_dir: Path, num_seqs: int, steps: int, warmup: int, prompt_len: int, block_size: int,
-             split_detok: bool = False, profile: cProfile.Profile | None = None) -> tuple[list[dict[str, int]], int]:
+             split_detok: bool = False, profile: cProfile.Profile | None = None,
+             gc_freeze: bool = False) -> tuple[list[dict[str, int]], int]:
     """Measure ``steps`` decode steps at ``num_seqs`` running sequences; returns per-step times and bytes/step."""
     times = StepTimes()
     max_tokens = warmup + steps + 8  # never reached: no sequence finishes while measuring
@@ -187,7 +196,11 @@ def run_case(model_dir: Path, num_seqs: int, steps: int, warmup: int, prompt_len
         assert token not in engine.eos_token_ids
         sampler = FixedSampler(token)
         sampler.sample = times.timed("sample", sampler.sample)  # type: ignore[method-assign]
+        sampler.sample_greedy = times.timed("sample", sampler.sample_greedy)  # type: ignore[method-assign]
         engine.sampler = sampler  # type: ignore[assignment]
+        if gc_freeze:  # as at the end of start-up: everything so far leaves the collector's view
+            gc.collect()
+            gc.freeze()
         sched = engine.scheduler
         sched.schedule = times.timed("schedule", sched.schedule)  # type: ignore[method-assign]
         sched.postprocess = times.timed("postproc", sched.postprocess)  # type: ignore[method-assign]
@@ -231,6 +244,8 @@ def run_case(model_dir: Path, num_seqs: int, steps: int, warmup: int, prompt_len
             profile.disable()
         return times.steps, sizes[-1]
     finally:
+        if gc_freeze:
+            gc.unfreeze()
         IncrementalDetokenizer.add, IncrementalDetokenizer.flush = plain_add, plain_flush  # type: ignore[method-assign]
         if reader is not None:
             reader.close()
@@ -253,6 +268,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--split-detok", action="store_true",
                         help="time the detokenizer apart from the rest of the engine's bookkeeping")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() once the engine is built, before any request (as a start-up path could)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the measured steps of the largest case (its timings then include the profiler)")
     args = parser.parse_args()
@@ -265,7 +282,7 @@ def main() -> None:
     for n in cases:
         prof = cProfile.Profile() if args.profile and n == max(cases) else None
         results[n], nbytes[n] = run_case(model_dir, n, args.steps, args.warmup, args.prompt_len,
-                                         args.block_size, args.split_detok, prof)
+                                         args.block_size, args.split_detok, prof, args.gc_freeze)
         if prof is not None:
             stats = pstats.Stats(prof).strip_dirs().sort_stats("tottime")
             print(f"--- cProfile, {n} sequences, {args.steps} steps, by own time ---")

@@ -24,11 +24,29 @@ over when the request ends for another reason.
 The engine does not pass the EOS or stop token that ends a request to
 :meth:`IncrementalDetokenizer.add` (that token stays in ``token_ids`` but never
 in the text), so this class just decodes what it is given.
+
+Cost: this runs once per generated token on rank 0 for every running request,
+on the step's critical path, so :class:`TokenDecoder` makes decoding cheap:
+
+* It calls the Rust tokenizer directly (the Hugging Face ``decode`` wrapper
+  costs several times the decode itself), and remembers the text of single
+  tokens.
+* Byte-level decoders (GPT-2 style, Qwen's) are *additive at character
+  boundaries*: when ``decode(a)`` does not end in U+FFFD, the bytes of ``a``
+  end on a complete character, so ``decode(a + b) == decode(a) + decode(b)``
+  (the text is the lossy UTF-8 decoding of the tokens' bytes, concatenated).
+  The window's context always ends on such a boundary, so while no token is
+  pending, a new token's text is its remembered single-token text: no decode
+  at all. Tokens that leave a character incomplete, or add no text, take the
+  window path above. Other decoders (Metaspace, WordPiece, ...) always do.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from tokenizers import decoders
 
 from rtp.log import get_logger
 from rtp.sampling import SamplingParams
@@ -41,28 +59,100 @@ _PROMPT_CONTEXT = 6
 _REPLACEMENT = "\ufffd"
 
 
+def _has_plain_decode(tokenizer: Any) -> bool:
+    """True when ``tokenizer.decode(ids, skip_special_tokens=s, clean_up_tokenization_spaces=False)``
+    is exactly ``tokenizer.backend_tokenizer.decode(ids, s)``: a fast tokenizer whose class keeps the
+    ``decode``/``_decode`` of the transformers base classes (a subclass that overrides them may do more)."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        return False
+    cls = type(tokenizer)
+    # transformers 5 names the fast base class TokenizersBackend, transformers 4 PreTrainedTokenizerFast.
+    plain_inner = {"TokenizersBackend._decode", "PreTrainedTokenizerFast._decode"}
+    decode, inner = getattr(cls, "decode", None), getattr(cls, "_decode", None)
+    return (
+        getattr(decode, "__qualname__", None) == "PreTrainedTokenizerBase.decode"
+        and getattr(inner, "__qualname__", None) in plain_inner
+    )
+
+
+class TokenDecoder:
+    """``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``, made cheap.
+
+    Calls the Rust tokenizer behind a Hugging Face fast tokenizer directly when
+    that is what ``decode`` would do (see :func:`_has_plain_decode`), else the
+    tokenizer's own ``decode``. The text of each single token is remembered
+    (at most one entry per vocabulary id and ``skip_special_tokens`` value).
+    One instance may serve every request of an engine, from any thread; ``ids``
+    must be a list of Python ints.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.uses_backend = _has_plain_decode(tokenizer)
+        """True when decoding calls the Rust tokenizer directly."""
+        self.additive = self.uses_backend and isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel)
+        """True when decode(a + b) == decode(a) + decode(b) whenever decode(a) does not end in U+FFFD
+        (a byte-level decoder; see the module docstring)."""
+        self.raw_decode: Callable[[list[int], bool], str] = (
+            tokenizer.backend_tokenizer.decode if self.uses_backend else self._hf_decode
+        )
+        """(ids, skip_special_tokens) -> text, without the memo."""
+        self._single: dict[bool, dict[int, str]] = {False: {}, True: {}}  # skip_special_tokens -> id -> text
+
+    def _hf_decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        # No cleanup of tokenization spaces: it is not additive over windows.
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """The text of ``ids``."""
+        if len(ids) == 1:
+            return self.decode_one(ids[0], skip_special_tokens)
+        return self.raw_decode(ids, skip_special_tokens)
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool) -> str:
+        """The text of the single token ``token_id`` (remembered)."""
+        memo = self._single[skip_special_tokens]
+        text = memo.get(token_id)
+        if text is None:
+            text = memo[token_id] = self.raw_decode([token_id], skip_special_tokens)
+        return text
+
+    def memo(self, skip_special_tokens: bool) -> dict[int, str]:
+        """The remembered single-token texts (id -> text) for ``skip_special_tokens``, to read from."""
+        return self._single[skip_special_tokens]
+
+
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas that are safe to stream.
 
-    ``tokenizer`` is a Hugging Face fast tokenizer. The concatenation of every
-    delta returned by :meth:`add` plus :meth:`flush` equals :attr:`text`.
+    ``tokenizer`` is a Hugging Face fast tokenizer, or a :class:`TokenDecoder`
+    around one (an engine shares one among its requests). The concatenation of
+    every delta returned by :meth:`add` plus :meth:`flush` equals :attr:`text`.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._tokenizer = tokenizer
+        decoder = tokenizer if isinstance(tokenizer, TokenDecoder) else TokenDecoder(tokenizer)
+        self._decoder = decoder
         self._skip_special_tokens = params.skip_special_tokens
+        self._additive = decoder.additive
+        self._memo = decoder.memo(params.skip_special_tokens)  # read directly on the hot path
         self._stop_strings = list(params.stop_strings)
         self._max_stop_len = max((len(s) for s in self._stop_strings), default=0)
+        # A tail of the text can only be the start of a stop string if it ends in one of these.
+        self._stop_heads = frozenset(c for stop in self._stop_strings for c in stop[:-1])
 
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        context = [int(t) for t in prompt_token_ids[-_PROMPT_CONTEXT:]]
         if context and self._decode(context).endswith(_REPLACEMENT):
             # The prompt ends inside a character: it is no clean boundary to
             # continue from, so decode the output on its own.
             context = []
+        # The decoding window: ids[:read_offset] is context (already emitted, or
+        # prompt), ids[read_offset:] is not emitted yet. Older ids are dropped,
+        # so prefix_offset is always 0. The context always ends on a character
+        # boundary (its text does not end in U+FFFD, or it is empty).
         self._ids: list[int] = context
-        self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text: str | None = None  # cached decode of ids[prefix_offset:read_offset]
+        self._prefix_text: str | None = None  # cached decode of ids[:read_offset]
         self._window_consumed = 0  # chars past prefix_text already handed over from the current window
 
         # Stop strings count only once min_tokens tokens were generated (as stop tokens do):
@@ -88,11 +178,29 @@ class IncrementalDetokenizer:
         """Add one generated token; returns (text safe to emit now, stopped by a stop string)."""
         if self._stopped:
             return "", True
-        self._ids.append(token_id)
         self._num_added += 1
-        new_text = self._decode_new(final=False)
-        if not new_text:
-            return "", False
+        ids = self._ids
+        new_text = None
+        if self._additive and self._read_offset == len(ids):
+            # No token pending and the context ends on a character boundary: the
+            # window's new text is this token's own text (module docstring).
+            text = self._memo.get(token_id)
+            if text is None:
+                text = self._decoder.decode_one(token_id, self._skip_special_tokens)
+            if text and text[-1] != _REPLACEMENT:  # complete: it becomes the whole context
+                ids.clear()
+                ids.append(token_id)
+                self._read_offset = 1
+                self._prefix_text = new_text = text
+        if new_text is None:
+            ids.append(token_id)
+            new_text = self._decode_new(final=False)
+            if not new_text:
+                return "", False
+        if not self._stop_strings:  # nothing to match or hold back: all of it goes out now
+            self._text += new_text
+            self._emitted = len(self._text)
+            return new_text, False
         return self._append(new_text)
 
     def flush(self) -> str:
@@ -112,66 +220,66 @@ class IncrementalDetokenizer:
         return out
 
     def _decode(self, ids: list[int]) -> str:
-        # No cleanup of tokenization spaces: it is not additive over windows.
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        return self._decoder.decode(ids, self._skip_special_tokens)
 
     def _decode_new(self, final: bool) -> str:
         """Text of the tokens past read_offset that became stable with the latest token."""
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        window_text = self._decode(self._ids[self._prefix_offset :])
+        ids = self._ids
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._prefix_text = self._decode(ids[: self._read_offset]) if self._read_offset else ""
         # Empty when, e.g., only skipped special tokens were added; they stay in the window.
-        new_text = window_text[len(self._prefix_text) :]
-        complete = final or not new_text.endswith(_REPLACEMENT)
-        # While a character is incomplete, the text before it is already final:
-        # hand it over now so that stop strings are seen as early as possible.
-        stable = new_text if complete else new_text.rstrip(_REPLACEMENT)
-        out = stable[self._window_consumed :]
-        if complete and new_text:
+        new_text = self._decode(ids)[len(prefix_text) :]
+        if not new_text:
+            return ""
+        if final or new_text[-1] != _REPLACEMENT:
+            out = new_text[self._window_consumed :] if self._window_consumed else new_text
             # The emitted chunk becomes the context of the next window; older
-            # ids are never needed again.
-            del self._ids[: self._read_offset]
-            self._prefix_offset, self._read_offset = 0, len(self._ids)
+            # ids are never needed again. (After a final decode that left a
+            # character incomplete, nothing is: the context must end on a boundary.)
+            del ids[: len(ids) if final and new_text[-1] == _REPLACEMENT else self._read_offset]
+            self._read_offset = len(ids)
             self._prefix_text = None
             self._window_consumed = 0
-        else:
-            self._window_consumed += len(out)
+            return out
+        # While a character is incomplete, the text before it is already final:
+        # hand it over now so that stop strings are seen as early as possible.
+        out = new_text.rstrip(_REPLACEMENT)[self._window_consumed :]
+        self._window_consumed += len(out)
         return out
 
     def _append(self, new_text: str) -> tuple[str, bool]:
         """Append decoded text, check the stop strings, and return what may be emitted."""
+        text = self._text
         # A new match must end inside new_text, so it starts at most
         # max_stop_len - 1 characters before it.
-        search_from = max(self._stop_floor, len(self._text) - self._max_stop_len + 1)
-        self._text += new_text
-        if self._num_added < self._min_tokens:
-            self._stop_floor = len(self._text)
+        search_from = max(self._stop_floor, len(text) - self._max_stop_len + 1)
+        self._text = text = text + new_text
+        emitted = self._emitted
         if not self._stop_strings or self._num_added < self._min_tokens:
-            out = self._text[self._emitted :]
-            self._emitted = len(self._text)
-            return out, False
+            if self._num_added < self._min_tokens:
+                self._stop_floor = len(text)
+            self._emitted = len(text)
+            return text[emitted:], False
 
-        match = min(
-            (pos for s in self._stop_strings if (pos := self._text.find(s, search_from)) >= 0),
-            default=-1,
-        )
+        match = -1
+        for stop in self._stop_strings:
+            pos = text.find(stop, search_from)
+            if pos >= 0 and (match < 0 or pos < match):
+                match = pos
         if match >= 0:
             # Held-back text covers every partial stop string, so nothing
             # emitted so far can belong to this match.
-            assert match >= self._emitted, (match, self._emitted)
-            self._text = self._text[:match]
+            assert match >= emitted, (match, emitted)
+            self._text = text[:match]
             self._stopped = True
-            out = self._text[self._emitted :]
-            self._emitted = len(self._text)
-            return out, True
+            self._emitted = match
+            return text[emitted:match], True
 
-        safe_end = len(self._text) - self._partial_stop_len()
-        assert safe_end >= self._emitted, (safe_end, self._emitted)
-        out = self._text[self._emitted : safe_end]
+        safe_end = len(text) - self._partial_stop_len() if text[-1] in self._stop_heads else len(text)
+        assert safe_end >= emitted, (safe_end, emitted)
         self._emitted = safe_end
-        return out, False
+        return text[emitted:safe_end], False
 
     def _partial_stop_len(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""

@@ -26,9 +26,9 @@ from rtp.core.step import StepPlan
 from rtp.errors import RequestError
 from rtp.log import get_logger
 from rtp.outputs import RequestOutput
-from rtp.runtime.detokenizer import IncrementalDetokenizer
+from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
 from rtp.runtime.model_runner import ModelRunner
-from rtp.runtime.sampler import Sampler, SampleRow
+from rtp.runtime.sampler import Sampler, SampleRow, is_plain_greedy
 from rtp.sampling import SamplingParams
 
 logger = get_logger(__name__)
@@ -65,6 +65,7 @@ class Engine:
         self.model_dir = model_dir
         self.transport = transport or (lambda plan: None)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self._token_decoder = TokenDecoder(self.tokenizer)  # shared by every request's detokenizer
         self.eos_token_ids = load_eos_ids(model_dir, self.tokenizer)
         self.max_model_len = runner.max_model_len
         self.scheduler = Scheduler(
@@ -82,6 +83,9 @@ class Engine:
         self._seq_ids = itertools.count()
         self._requests: dict[str, _Request] = {}  # by request id, owned by the stepping thread
         self._by_seq: dict[int, _Request] = {}  # the same requests by sequence id
+        # Ids of the requests in _requests that are not plain greedy (sampler.is_plain_greedy); while
+        # there are none, a step samples with one argmax and builds no SampleRow objects.
+        self._full_sample_ids: set[str] = set()
         self._lock = threading.Lock()  # guards the inbox and the live ids
         # Adds (a _Request) and aborts (a request id) in the order they were submitted,
         # so an abort that follows an add in the same step is not lost.
@@ -117,7 +121,7 @@ class Engine:
         request_id = request_id or f"req-{seq.seq_id}"
         req = _Request(
             seq,
-            IncrementalDetokenizer(self.tokenizer, ids, params),
+            IncrementalDetokenizer(self._token_decoder, ids, params),
             RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids, arrival_time=seq.arrival_time,
                           logprobs=[] if params.logprobs is not None else None),
         )
@@ -154,6 +158,8 @@ class Engine:
                     continue
                 self._requests[item.out.request_id] = item
                 self._by_seq[item.seq.seq_id] = item
+                if not is_plain_greedy(item.seq.params):
+                    self._full_sample_ids.add(item.out.request_id)
                 continue
             req = self._requests.get(item)
             if req is not None and not req.out.finished:
@@ -165,6 +171,7 @@ class Engine:
     def _finish(self, req: _Request) -> RequestOutput:
         req.out.finish_time = time.time()
         self._requests.pop(req.out.request_id, None)
+        self._full_sample_ids.discard(req.out.request_id)
         self._by_seq.pop(req.seq.seq_id, None)
         with self._lock:
             self._live_ids.discard(req.out.request_id)
@@ -183,8 +190,11 @@ class Engine:
         tokens: list[int] = []
         logprobs: list = []
         if to_sample:
-            rows = [SampleRow(seq.params, seq.num_completion_tokens) for seq in to_sample]
-            sampled = self.sampler.sample(logits, rows)
+            if self._full_sample_ids:
+                rows = [SampleRow(seq.params, seq.num_completion_tokens) for seq in to_sample]
+                sampled = self.sampler.sample(logits, rows)
+            else:  # every request is plain greedy: the same tokens, without per-row objects
+                sampled = self.sampler.sample_greedy(logits)
             tokens, logprobs = sampled.token_ids, sampled.logprobs
         self.scheduler.postprocess(result, tokens)
         now = time.time()
@@ -205,16 +215,16 @@ class Engine:
                 if stopped:  # a stop string wins over reaching max_tokens on the same token
                     self.scheduler.finish(seq.seq_id, "stop")
                     seq.finish_reason = "stop"
-            if seq.status is finished_status:
-                out.new_text = delta + detok.flush()
-                out.text = detok.text
-                out.finish_reason = seq.finish_reason
-                out.num_cached_tokens = seq.num_cached_tokens
-                changed.append(self._finish(req))
-            else:
-                out.new_text = delta
-                out.text = detok.text
-                changed.append(out)
+                if seq.status is not finished_status:  # the common case: still running
+                    out.new_text = delta
+                    out.text = detok.text
+                    changed.append(out)
+                    continue
+            out.new_text = delta + detok.flush()
+            out.text = detok.text
+            out.finish_reason = seq.finish_reason
+            out.num_cached_tokens = seq.num_cached_tokens
+            changed.append(self._finish(req))
         return changed
 
     def fail_all(self, message: str) -> list[RequestOutput]:

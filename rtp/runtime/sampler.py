@@ -57,6 +57,16 @@ class SamplerOutput:
     the raw logits (before temperature, filters and min_tokens masking)."""
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """True when every token of a request with ``params`` is the plain argmax of its logits.
+
+    That is: greedy, no log-probabilities, and no ``min_tokens`` (so EOS and
+    stop tokens are never masked). A batch of such rows needs no
+    :class:`SampleRow` objects: :meth:`Sampler.sample_greedy` samples it.
+    """
+    return params.greedy and params.logprobs is None and params.min_tokens == 0
+
+
 def step_seed(seed: int, step: int) -> int:
     """The 64-bit generator seed a request with ``seed`` uses at generation step ``step``.
 
@@ -152,6 +162,17 @@ class Sampler:
 
         token_list = tokens.tolist()
         return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, rows, tokens, token_list))
+
+    def sample_greedy(self, logits: torch.Tensor) -> SamplerOutput:
+        """The argmax of each row of ``logits`` ([num_rows, vocab]), without log-probabilities.
+
+        The same as :meth:`sample` when every row's params satisfy
+        :func:`is_plain_greedy`, without the per-row Python work.
+        """
+        assert logits.dim() == 2, tuple(logits.shape)
+        # Argmax is the same in any float dtype (widening is exact), ties included: the first index wins.
+        tokens = logits.argmax(dim=-1).tolist()
+        return SamplerOutput(token_ids=tokens, logprobs=[None] * len(tokens))
 
     def _mask_min_tokens(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Set EOS and stop tokens to -inf in rows that have not reached min_tokens."""

@@ -1,4 +1,4 @@
-"""IncrementalDetokenizer against one-shot tokenizer.decode, with multi-byte text and stop strings."""
+"""IncrementalDetokenizer and TokenDecoder against one-shot tokenizer.decode: multi-byte text, specials, stops."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from rtp.runtime.detokenizer import IncrementalDetokenizer
+from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
 from rtp.sampling import SamplingParams
+from rtp.testing import default_model_dir
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = (
@@ -204,3 +205,124 @@ def test_prompt_context_keeps_leading_space() -> None:
     # Without a prompt there is nothing to continue from, like a one-shot decode.
     _, deltas, _ = stream(hf, ids, SamplingParams(), [])
     assert "".join(deltas) == hf.decode(ids)
+
+
+# ---- TokenDecoder: the fast path against Hugging Face decode, on the tiny model's tokenizer ----
+
+
+@pytest.fixture(scope="module")
+def model_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny test model's own tokenizer (Qwen2, byte-level BPE, with special tokens)."""
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+
+
+def model_ids(tok: PreTrainedTokenizerFast, rng: random.Random, n: int) -> list[int]:
+    """Random ids mixing arbitrary tokens (often parts of a character), encoded multi-byte text and special tokens."""
+    specials = sorted(tok.all_special_ids)
+    out: list[int] = []
+    while len(out) < n:
+        pick = rng.random()
+        if pick < 0.4:
+            out.append(rng.randrange(len(tok)))
+        elif pick < 0.55:
+            out.append(rng.choice(specials))
+        else:
+            out.extend(tok.encode(rng.choice(WORDS) + rng.choice(["", " "]), add_special_tokens=False))
+    return out[:n]
+
+
+def test_model_tokenizer_takes_the_fast_paths(model_tokenizer: PreTrainedTokenizerFast) -> None:
+    decoder = TokenDecoder(model_tokenizer)
+    assert decoder.uses_backend and decoder.additive
+    # Multi-byte characters really do span tokens, and there are special tokens to skip.
+    assert any(model_tokenizer.decode([i]).endswith("\ufffd") for i in model_tokenizer.encode("你好🚀"))
+    assert model_tokenizer.all_special_ids
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_token_decoder_matches_hf_decode(model_tokenizer: PreTrainedTokenizerFast, skip_special_tokens: bool) -> None:
+    decoder = TokenDecoder(model_tokenizer)
+    rng = random.Random(10 + skip_special_tokens)
+    texts = set()
+    for _ in range(400):
+        ids = model_ids(model_tokenizer, rng, rng.randint(1, 12))
+        expected = model_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert decoder.decode(ids, skip_special_tokens) == expected, ids
+        assert decoder.decode(ids[:1], skip_special_tokens) == model_tokenizer.decode(
+            ids[:1], skip_special_tokens=skip_special_tokens
+        )
+        texts.add(expected)
+    joined = "".join(texts)
+    assert "\ufffd" in joined and "你" in joined and ("<|" in joined) != skip_special_tokens
+
+
+def test_byte_level_decode_is_additive_at_character_boundaries(model_tokenizer: PreTrainedTokenizerFast) -> None:
+    """What the no-decode path of IncrementalDetokenizer relies on, checked against the installed tokenizers."""
+    rng = random.Random(12)
+    checked = 0
+    for _ in range(600):
+        a = model_ids(model_tokenizer, rng, rng.randint(1, 6))
+        b = model_ids(model_tokenizer, rng, rng.randint(1, 6))
+        skip = rng.random() < 0.5
+        text_a = model_tokenizer.decode(a, skip_special_tokens=skip)
+        if text_a.endswith("\ufffd"):
+            continue
+        checked += 1
+        assert model_tokenizer.decode(a + b, skip_special_tokens=skip) == text_a + model_tokenizer.decode(
+            b, skip_special_tokens=skip
+        ), (a, b, skip)
+    assert checked > 200
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_model_tokenizer_stream_matches_one_shot_decode(
+    model_tokenizer: PreTrainedTokenizerFast, skip_special_tokens: bool
+) -> None:
+    rng = random.Random(20 + skip_special_tokens)
+    decoder = TokenDecoder(model_tokenizer)  # shared by all streams, as in the engine
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    held = 0
+    for _ in range(200):
+        ids = model_ids(model_tokenizer, rng, rng.randint(1, 40))
+        prompt = model_ids(model_tokenizer, rng, rng.randint(1, 8)) if rng.random() < 0.7 else []
+        for tok in (decoder, model_tokenizer):
+            _, deltas, stopped_at = stream(tok, ids, params, prompt)  # type: ignore[arg-type]
+            assert stopped_at is None
+            expected = model_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            if prompt and not model_tokenizer.decode(prompt[-6:], skip_special_tokens=skip_special_tokens).endswith(
+                "\ufffd"
+            ):
+                # Continuing from the prompt: the output's text is what it adds to the prompt's.
+                full = model_tokenizer.decode(prompt[-6:] + ids, skip_special_tokens=skip_special_tokens)
+                ctx = model_tokenizer.decode(prompt[-6:], skip_special_tokens=skip_special_tokens)
+                expected = full[len(ctx) :]
+            assert "".join(deltas) == expected, (prompt, ids)
+            held += sum(d == "" for d in deltas[:-1])
+    assert held > 0  # some tokens ended inside a character (the window path ran, not only the memo)
+
+
+def test_stop_strings_on_model_tokenizer_match_reference(model_tokenizer: PreTrainedTokenizerFast) -> None:
+    rng = random.Random(30)
+    decoder = TokenDecoder(model_tokenizer)
+    for _ in range(100):
+        text = random_text(rng, 10)
+        ids = model_tokenizer.encode(text, add_special_tokens=False)
+        start = rng.randrange(len(text))
+        stops = [text[start : start + rng.randint(1, 5)], "zz"]
+        detok, deltas, stopped_at = stream(decoder, ids, SamplingParams(stop=stops))  # type: ignore[arg-type]
+        assert (detok.text, stopped_at) == reference_stop(model_tokenizer, ids, stops), (text, stops)
+
+
+def test_overridden_decode_falls_back_to_the_tokenizer(tokenizer: PreTrainedTokenizerFast) -> None:
+    """A tokenizer class with its own decode may do more than the Rust decode: it is called as it is."""
+
+    class Shouting(PreTrainedTokenizerFast):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):  # type: ignore[no-untyped-def, override]
+            return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=tokenizer.backend_tokenizer)
+    decoder = TokenDecoder(shouting)
+    assert not decoder.uses_backend and not decoder.additive
+    ids = tokenizer.encode("the quick 你好 fox", add_special_tokens=False)
+    _, deltas, _ = stream(shouting, ids, SamplingParams())
+    assert "".join(deltas) == "THE QUICK 你好 FOX"

@@ -157,3 +157,31 @@ def test_bad_prompts_are_refused_at_submission(model_dir, prompt, words):
     with pytest.raises(RequestError, match=words):
         engine.add_request(prompt, SamplingParams(max_tokens=4))
     assert not engine.has_unfinished()
+
+
+def test_sampling_takes_the_full_path_only_while_a_request_needs_it(model_dir):
+    """Plain greedy batches skip SampleRow (sample_greedy); a request with logprobs or min_tokens
+    sends the whole batch through sample() while it lives, and the tokens are the same either way."""
+    engine = make_engine(model_dir, {7: [20, 21, 22, 23], 8: [30, 31, 32, 33], 9: [40, 41, 42, 43]})
+    calls: list[str] = []
+    sample, sample_greedy = engine.sampler.sample, engine.sampler.sample_greedy
+    engine.sampler.sample = lambda logits, rows: calls.append("full") or sample(logits, rows)
+    engine.sampler.sample_greedy = lambda logits: calls.append("greedy") or sample_greedy(logits)
+
+    a = engine.add_request([7], SamplingParams(temperature=0, max_tokens=4))
+    done = run(engine)
+    assert done[a].token_ids == [20, 21, 22, 23] and set(calls) == {"greedy"}
+
+    calls.clear()
+    b = engine.add_request([7], SamplingParams(temperature=0, max_tokens=4))
+    c = engine.add_request([8], SamplingParams(temperature=0, max_tokens=2, logprobs=1))
+    d = engine.add_request([9], SamplingParams(temperature=0, max_tokens=4, min_tokens=1))
+    done = run(engine)
+    assert done[b].token_ids == [20, 21, 22, 23] and done[c].token_ids == [30, 31]
+    assert done[d].token_ids == [40, 41, 42, 43]
+    assert len(done[c].logprobs) == 2 and done[b].logprobs is None
+    assert set(calls) == {"full"}  # d lives as long as b: every step needed the rows
+
+    calls.clear()
+    e = engine.add_request([8], SamplingParams(temperature=0, max_tokens=3))
+    assert run(engine)[e].token_ids == [30, 31, 32] and set(calls) == {"greedy"}  # finished ones left no trace

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rtp.runtime.sampler import Sampler, SampleRow, filter_logits, step_seed
+from rtp.runtime.sampler import Sampler, SampleRow, filter_logits, is_plain_greedy, step_seed
 from rtp.sampling import SamplingParams
 
 EOS = 3
@@ -130,6 +130,31 @@ def test_greedy_is_argmax() -> None:
     mixed = [SampleRow(SamplingParams(temperature=0.0 if i % 2 else 1.0), 0) for i in range(32)]
     out = Sampler([EOS]).sample(logits, mixed)
     assert out.token_ids[1::2] == logits.argmax(-1)[1::2].tolist()
+
+
+def test_sample_greedy_equals_sample_for_plain_greedy_rows() -> None:
+    gen = torch.Generator().manual_seed(16)
+    logits = torch.randn(64, 50, generator=gen)
+    logits[::4, 7] = logits[::4].max(dim=-1).values  # ties: the first index must win in both
+    logits[1::4, EOS] = 100.0  # EOS is the argmax: no min_tokens, so plain greedy emits it
+    params = SamplingParams(temperature=0.0, top_k=3, top_p=0.5, stop_token_ids=[5])
+    assert is_plain_greedy(params)
+    rows = [SampleRow(params, i) for i in range(64)]
+    sampler = Sampler([EOS])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        fast, full = sampler.sample_greedy(x), sampler.sample(x, rows)
+        assert fast.token_ids == full.token_ids == x.float().argmax(-1).tolist()
+        assert fast.logprobs == full.logprobs == [None] * 64
+    assert EOS in sampler.sample_greedy(logits).token_ids
+
+
+def test_is_plain_greedy_only_when_sample_needs_no_row() -> None:
+    """Every setting under which sample() looks at a row's params or progress excludes the fast path."""
+    assert is_plain_greedy(SamplingParams(temperature=0.0, seed=3, max_tokens=5))
+    assert not is_plain_greedy(SamplingParams(temperature=0.7))
+    assert not is_plain_greedy(SamplingParams(temperature=0.0, logprobs=0))
+    assert not is_plain_greedy(SamplingParams(temperature=0.0, min_tokens=1))
 
 
 @pytest.mark.parametrize("seeded", [False, True])
