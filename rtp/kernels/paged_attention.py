@@ -60,18 +60,23 @@ def paged_prefill_attention_reference(
     k_lens: list[int],
     scale: float,
     block_tables: torch.Tensor | None = None,
+    skip: set[int] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention, one sequence at a time (torch reference for every case).
 
     ``q``: ``[T, Hq, D]``, sequence i's queries at offset ``sum(q_lens[:i])``. With
     ``block_tables`` ``[B, max_blocks]``, ``k``/``v`` are the paged caches and sequence i's keys
     are its first ``k_lens[i]`` cached positions. Without (no cache: the profiling run), ``k``/``v``
-    are the step's own ``[T, Hkv, D]`` keys and values, laid out like ``q``. Returns ``[T, Hq, D]``.
+    are the step's own ``[T, Hkv, D]`` keys and values, laid out like ``q``. Returns ``[T, Hq, D]``;
+    the rows of sequences in ``skip`` are left unset (the caller computes them another way).
     """
     rep = q.shape[1] // k.shape[-2]
     out = q.new_empty(q.shape)  # contiguous [*, Hq, D]
     start = 0  # offset of sequence i's queries in the flat batch
     for i, (q_len, k_len) in enumerate(zip(q_lens, k_lens)):
+        if skip and i in skip:
+            start += q_len
+            continue
         qi = q[start : start + q_len]  # [q_len, Hq, D]
         if block_tables is not None:
             ki, vi = _gather(k, block_tables[i], k_len), _gather(v, block_tables[i], k_len)  # [k_len, Hkv, D]

@@ -110,10 +110,8 @@ class PagedAttention(nn.Module):
             return self._flash(q, k, v, meta, has_cache)
         if self.backend == "triton" and has_cache:
             return self._triton(q, meta)
-        if self.backend == "cpu" and has_cache and meta.decode_only:
-            return cpu_attention.paged_decode_attention_cpu(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
-            )
+        if self.backend == "cpu" and has_cache:
+            return self._cpu(q, k, v, meta)
         return self._torch(q, k, v, meta, has_cache)
 
     def _flash(
@@ -144,6 +142,25 @@ class PagedAttention(nn.Module):
         return paged_prefill_attention(
             q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale
         )
+
+    def _cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        # Decode rows go through the C++ kernel in one call; prompt chunks through the torch path.
+        if meta.decode_only:
+            return cpu_attention.paged_decode_attention_cpu(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
+        decode = [i for i, (n, kn) in enumerate(zip(meta.q_lens, meta.k_lens)) if n == 1 and kn > 1]
+        if len(decode) < 2:
+            return self._torch(q, k, v, meta, True)
+        out = paged_prefill_attention_reference(
+            q, self.k_cache, self.v_cache, meta.q_lens, meta.k_lens, self.scale, meta.block_tables, set(decode)
+        )
+        seqs = torch.tensor(decode, device=q.device)
+        rows = meta.cu_seqlens_q[:-1].long()[seqs]  # [n_decode]: each decode row's place in the flat batch
+        out[rows] = cpu_attention.paged_decode_attention_cpu(
+            q[rows], self.k_cache, self.v_cache, meta.block_tables[seqs], meta.context_lens[seqs], self.scale
+        )
+        return out
 
     def _torch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, has_cache: bool

@@ -39,3 +39,29 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(RuntimeError, match="do not fit"):
         cpu_attention.paged_decode_attention_cpu(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
                                                  torch.ones(2, dtype=torch.int32), 1.0)
+
+
+def test_cpu_backend_layer_matches_torch_backend_on_mixed_steps() -> None:
+    # Decode rows beside prompt chunks (some with a cached prefix) take the kernel, the rest the torch path.
+    from rtp.model.attention import PagedAttention
+    from tests.kernels.paged_attention_cases import step_metadata
+
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    layers = {}
+    for backend in ("cpu", "torch"):
+        layer = layers[backend] = PagedAttention(hq, hkv, d, d**-0.5)
+        layer.backend = backend
+        layer.k_cache, layer.v_cache = torch.zeros(2, 16, bs, hkv, d)
+    tables = [[5, 2, 7], [0, 3, 6], [1, 4, 8], [9, 10, 11]]
+    steps = [([5, 3, 2, 1], [5, 3, 2, 1]),  # whole prompts, one of a single token
+             ([1, 4, 1, 1], [6, 7, 3, 2]),  # three decode rows beside a prefill chunk after a prefix
+             ([1, 1, 3, 1], [7, 8, 6, 3]),  # decode rows around a chunk
+             ([1, 1, 1, 1], [8, 9, 7, 4])]  # decode only
+    for q_lens, k_lens in steps:
+        meta = step_metadata(q_lens, k_lens, tables, bs, torch.device("cpu"))
+        q = torch.randn(sum(q_lens), hq, d, generator=gen)
+        k, v = torch.randn(2, sum(q_lens), hkv, d, generator=gen)
+        got, want = (layers[b](q, k, v, meta) for b in ("cpu", "torch"))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layers["cpu"].k_cache, layers["torch"].k_cache)
