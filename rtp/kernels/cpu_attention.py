@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
+import shutil
+import sys
+from pathlib import Path
 
 import torch
 
@@ -145,6 +149,11 @@ def load():  # noqa: ANN201 - the compiled module, or None
     try:
         from torch.utils.cpp_extension import load_inline
 
+        venv_bin = str(Path(sys.executable).parent)
+        if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin):
+            # The `ninja` dependency lives next to this interpreter, which a venv run without
+            # activation does not put on PATH; torch's loader looks for it there.
+            os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
         digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:10]
         logger.info("loading the CPU paged-attention kernel (built on first use, about a minute)")
         return load_inline(
