@@ -85,6 +85,8 @@ class RtpConfig:
     """Longest prompt + completion in tokens; None means the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    expert_parallel: bool = False
+    """MoE models only: each rank holds num_experts / TP whole experts instead of a 1/TP slice of each."""
     gpu_memory_utilization: float = 0.9
     """Fraction of each GPU's memory that weights, activations and the KV cache may use, in (0, 1]."""
     num_kv_blocks: int | None = None
@@ -99,11 +101,21 @@ class RtpConfig:
     """Size of one chunk of the shared-memory ring that carries step plans; larger messages span chunks."""
     shm_num_chunks: int = 4
     """Number of chunks in the shared-memory ring."""
-    liveness_timeout_s: float = 30.0
-    """Seconds rank 0 waits on a worker that is alive but does not read the step channel, in (0, 3600].
+    liveness_timeout_s: float = 10.0
+    """Seconds without a heartbeat after which a rank is declared hung, in (0, 3600].
 
-    A rank whose process exits is noticed within about a second whatever this is;
-    collectives time out after max(this, 60) seconds (startup skew between ranks).
+    Every rank's heartbeat thread beats ten times per timeout, also during long
+    steps and compiles; a stopped, swapped-out or driver-stuck process stops
+    beating and is caught within this bound plus about a second. A rank whose
+    process exits is noticed within about a second whatever this is.
+    Collectives time out after max(this, 60) seconds (startup skew between ranks).
+    """
+    step_timeout_s: float | None = 300.0
+    """Seconds one step may run before it is reported as stuck, in (0, 86400], or null for no limit.
+
+    A stuck step makes every rank dump its Python stacks to the log and fails
+    the run with an error naming the ranks that had not finished it. Leave room
+    for the longest prefill chunk and for first-step compiles.
     """
     seed: int = 0
     """Seed of the default random generator (requests may bring their own)."""
@@ -171,6 +183,7 @@ _RULES: dict[type, dict[str, _Rule]] = {
         "max_num_batched_tokens": _int(1),
         "max_model_len": _int(1, nullable=True),
         "enable_prefix_caching": _BOOL,
+        "expert_parallel": _BOOL,
         "gpu_memory_utilization": _Rule("float", "a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
         "num_kv_blocks": _int(1, nullable=True),
         "cpu_kv_cache_gib": _Rule("float", "a number > 0", lambda v: v > 0.0),
@@ -179,6 +192,8 @@ _RULES: dict[type, dict[str, _Rule]] = {
         "shm_chunk_bytes": _int(4096),
         "shm_num_chunks": _int(2),
         "liveness_timeout_s": _Rule("float", "a number in (0, 3600]", lambda v: 0.0 < v <= 3600.0),
+        "step_timeout_s": _Rule("float", "a number in (0, 86400] or null", lambda v: 0.0 < v <= 86400.0,
+                                nullable=True),
         "seed": _int(0, 2**63 - 1),
         "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR", fold_case=True),
         "server": _Rule("section", "a mapping of server settings"),

@@ -27,4 +27,8 @@ class RequestError(RtpError, ValueError):
 
 
 class WorkerDiedError(RtpError):
-    """A rank stopped answering or exited; the runtime cannot continue."""
+    """A rank exited, stopped responding, or lost its launcher; the runtime cannot continue."""
+
+
+class StepTimeoutError(WorkerDiedError):
+    """A step did not finish within ``step_timeout_s`` on some rank; the runtime cannot continue."""

@@ -130,6 +130,26 @@ class TinyQwen3Spec:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class TinyQwen3MoeSpec(TinyQwen3Spec):
+    """Shape and seed of a generated Qwen3-MoE checkpoint (field names follow HF's Qwen3MoeConfig).
+
+    ``intermediate_size`` is the width of the dense layers (``mlp_only_layers``, or those
+    skipped by ``decoder_sparse_step``); each expert is ``moe_intermediate_size`` wide.
+    """
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        """HF's rule: a MoE block unless listed in mlp_only_layers or off the sparse step."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -177,6 +197,17 @@ def _validate(spec: TinyQwen3Spec, tokenizer_size: int, dtype: torch.dtype) -> N
             f"TinyQwen3Spec.vocab_size ({spec.vocab_size}) is smaller than the tokenizer ({tokenizer_size} tokens); "
             f"use vocab_size >= {tokenizer_size}"
         )
+    if isinstance(spec, TinyQwen3MoeSpec):
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(spec, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"TinyQwen3MoeSpec.{name} must be a positive int, got {value!r}")
+        if spec.num_experts_per_tok > spec.num_experts:
+            raise ConfigError(f"TinyQwen3MoeSpec.num_experts_per_tok ({spec.num_experts_per_tok}) must be at most "
+                              f"num_experts ({spec.num_experts})")
+        bad = [i for i in spec.mlp_only_layers if not 0 <= i < spec.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"TinyQwen3MoeSpec.mlp_only_layers has {bad}: layers are 0..{spec.num_hidden_layers - 1}")
     if spec.rope_scaling is not None and not isinstance(spec.rope_scaling, dict):
         raise ConfigError(f"TinyQwen3Spec.rope_scaling must be a dict or None, got {spec.rope_scaling!r}")
     num_tensors = 2 + 11 * spec.num_hidden_layers + (0 if spec.tie_word_embeddings else 1)
@@ -241,6 +272,10 @@ def make_weights(spec: TinyQwen3Spec, used_vocab: int | None = None) -> dict[str
             # A strong MLP branch makes the next token depend on more than the last one.
             "mlp.down_proj.weight": _normal(s, p + "down", (h, inter), 4.0 * inter**-0.5),
         }
+        if isinstance(spec, TinyQwen3MoeSpec) and spec.is_sparse(i):
+            for k in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+                del layer[k]
+            layer |= _moe_weights(spec, p)
         weights.update({p + k: v for k, v in layer.items()})
     weights["model.norm.weight"] = _norm_weight(s, "norm", h)
     if not spec.tie_word_embeddings:
@@ -250,6 +285,21 @@ def make_weights(spec: TinyQwen3Spec, used_vocab: int | None = None) -> dict[str
             if name in weights:
                 weights[name][used_vocab:] *= 0.1  # [vocab_size - used_vocab, hidden_size]
     return weights
+
+
+def _moe_weights(spec: TinyQwen3MoeSpec, p: str) -> dict[str, torch.Tensor]:
+    """Router and per-expert weights of one sparse layer, under the hub names (relative to ``p``)."""
+    h, mi, s = spec.hidden_size, spec.moe_intermediate_size, spec.seed
+    # Router logits of std ~2: clear winners per token, yet tokens spread over the experts.
+    out = {"mlp.gate.weight": _normal(s, p + "router", (spec.num_experts, h), 2.0 * h**-0.5)}
+    for e in range(spec.num_experts):
+        q = f"mlp.experts.{e}."
+        out[q + "gate_proj.weight"] = _normal(s, p + f"e{e}.gate", (mi, h), h**-0.5)
+        out[q + "up_proj.weight"] = _normal(s, p + f"e{e}.up", (mi, h), h**-0.5)
+        # The routing weights sum to <= 1: a stronger down projection keeps the branch as
+        # strong as the dense MLP's.
+        out[q + "down_proj.weight"] = _normal(s, p + f"e{e}.down", (h, mi), 6.0 * mi**-0.5)
+    return out
 
 
 def _shard_names(names: list[str], sizes: dict[str, int], num_shards: int) -> list[list[str]]:
@@ -323,6 +373,20 @@ def _write_configs(out: Path, spec: TinyQwen3Spec, dtype: torch.dtype, tok: Toke
         "use_sliding_window": False,
         "vocab_size": spec.vocab_size,
     }
+    if isinstance(spec, TinyQwen3MoeSpec):
+        # Keys as in the published Qwen3-30B-A3B config.json (num_experts, not num_local_experts).
+        config |= {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "decoder_sparse_step": spec.decoder_sparse_step,
+            "mlp_only_layers": list(spec.mlp_only_layers),
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "norm_topk_prob": spec.norm_topk_prob,
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot})
@@ -353,6 +417,8 @@ def make_tiny_qwen3(
     out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Spec(), dtype: torch.dtype = torch.float32
 ) -> Path:
     """Write a random-weight Qwen3 checkpoint (config, weights, tokenizer) into ``out_dir``.
+
+    A :class:`TinyQwen3MoeSpec` gives a Qwen3-MoE checkpoint (one tensor per expert, as on the hub).
 
     The same spec and dtype always give byte-identical files. Returns ``out_dir``.
     """

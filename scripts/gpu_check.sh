@@ -4,6 +4,8 @@
 #   1. Triton paged attention on CUDA, no interpreter: kernels vs torch references (fp32 and bf16),
 #      the layer and the whole model on the triton backend, CUDA-graph replay, kernel timings
 #      (python -m tests.kernels.paged_attention_cases: needs no pytest)
+#   1b. fused MoE on CUDA: Triton kernels vs torch path, CUDA-graph replay, a tiny Qwen3-MoE model,
+#      timings of one Qwen3-30B-A3B MoE layer (python -m tests.kernels.fused_moe_cases)
 #   2. the gpu-marked tests (tests/model/test_gpu.py), when pytest is installed
 #   3. a 2-rank NCCL smoke run, when there are 2+ GPUs
 #   4. a short benchmark (scripts/bench.py --quick); its failure is reported, not fatal
@@ -75,9 +77,11 @@ NUM_GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/nul
 if [ "$NUM_GPUS" -ge 1 ]; then
     check "triton paged attention on CUDA (kernels, layer, model, graphs)" 120 \
         "$PY" -m tests.kernels.paged_attention_cases --device cuda --bench
+    check "fused MoE on CUDA (kernels fp32/bf16, CUDA graph, tiny Qwen3-MoE model)" 120 \
+        "$PY" -m tests.kernels.fused_moe_cases --device cuda --bench
     if "$PY" -c "import pytest" 2>/dev/null; then
-        check "gpu-marked tests (pytest tests/model/test_gpu.py)" 120 \
-            "$PY" -m pytest -q -m gpu tests/model/test_gpu.py -ra -p no:cacheprovider
+        check "gpu-marked tests (pytest tests/model/test_gpu.py tests/kernels/test_fused_moe.py)" 120 \
+            "$PY" -m pytest -q -m gpu tests/model/test_gpu.py tests/kernels/test_fused_moe.py -ra -p no:cacheprovider
     else
         ROWS+=("| gpu-marked tests (pytest tests/model/test_gpu.py) | SKIP (pytest not installed; the triton checks above cover the same paths) | 0 |")
     fi
@@ -103,7 +107,8 @@ check "benchmark (scripts/bench.py --device cuda --quick)" 90 --tolerate \
     timings="$(grep -h '^bench ' "$LOGS"/*.log 2>/dev/null)"
     if [ -n "$timings" ]; then
         echo
-        echo "Paged-attention kernel timings (bf16, 32 query / 8 KV heads, head_dim 128):"
+        echo "Kernel timings (paged attention: bf16, 32 query / 8 KV heads, head_dim 128; fused MoE: one"
+        echo "Qwen3-30B-A3B layer, bf16, 128 experts, top-8, hidden 2048, expert width 768):"
         echo
         echo "$timings" | sed 's/^/- /'
     fi

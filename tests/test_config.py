@@ -110,6 +110,7 @@ BAD_CONFIGS: list[tuple[str, str, str, list[str]]] = [
     ("str-for-int", 'server:\n  port: "8000"', "server.port='8000'", ["[0, 65535]", "string"]),
     ("str-for-bool", 'enforce_eager: "false"', "enforce_eager='false'", ["true or false"]),
     ("int-for-bool", "enable_prefix_caching: 1", "enable_prefix_caching=1", ["true or false"]),
+    ("str-for-bool-ep", "expert_parallel: yes-please", "expert_parallel='yes-please'", ["true or false"]),
     ("int-for-str", "model: 123", "model=123", ["path", "null"]),
     ("empty-model", 'model: ""', "model=''", ["path"]),
     ("block-negative", "block_size: -3", "block_size=-3", ["power of two between 1 and 1024"]),
@@ -128,6 +129,9 @@ BAD_CONFIGS: list[tuple[str, str, str, list[str]]] = [
     ("liveness-zero", "liveness_timeout_s: 0", "liveness_timeout_s=0.0", ["(0, 3600]"]),
     ("liveness-high", "liveness_timeout_s: 3601", "liveness_timeout_s=3601.0", ["(0, 3600]"]),
     ("liveness-nan", "liveness_timeout_s: .nan", "liveness_timeout_s=nan", ["(0, 3600]"]),
+    ("step-timeout-zero", "step_timeout_s: 0", "step_timeout_s=0.0", ["(0, 86400]", "null"]),
+    ("step-timeout-high", "step_timeout_s: 86401", "step_timeout_s=86401.0", ["(0, 86400]"]),
+    ("step-timeout-str", 'step_timeout_s: "5m"', "step_timeout_s='5m'", ["(0, 86400]", "string"]),
     ("shm-chunk-small", "shm_chunk_bytes: 1024", "shm_chunk_bytes=1024", [">= 4096"]),
     ("shm-chunks-one", "shm_num_chunks: 1", "shm_num_chunks=1", [">= 2"]),
     ("seed-negative", "seed: -1", "seed=-1", ["[0, "]),
@@ -214,6 +218,19 @@ def test_normalisation(tmp_path: Path) -> None:
     assert isinstance(config.liveness_timeout_s, float)
     assert config.log_level == "DEBUG"
     assert load_config(model=tmp_path).model == str(tmp_path)  # a PathLike becomes a str
+
+
+def test_liveness_defaults_catch_a_hung_rank_within_ten_seconds_on_cpu() -> None:
+    cpu = load_config(CONFIG_DIR / "cpu.yaml")
+    # Caught once the heartbeat is this old, plus a watchdog round and the exit (about a second).
+    assert cpu.liveness_timeout_s <= 9
+    assert cpu.step_timeout_s is not None and cpu.step_timeout_s >= 60  # room for a long CPU prefill
+    for name in GPU_FILES:
+        gpu = load_config(CONFIG_DIR / f"{name}.yaml")
+        # Generous on GPU (a C call holding the GIL starves the heartbeat), and a step gets minutes.
+        assert 10 <= gpu.liveness_timeout_s <= 60 and gpu.step_timeout_s >= 120, name
+    assert config_from_dict({"step_timeout_s": None}).step_timeout_s is None  # null: no stuck-step check
+    assert RtpConfig().liveness_timeout_s <= 10
 
 
 def test_api_key_is_not_in_repr() -> None:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rtp.testing import TinyQwen3Spec
+from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,6 +24,18 @@ SHAPES: dict[str, TinyQwen3Spec] = {
         hidden_size=96, num_attention_heads=8, num_key_value_heads=1, head_dim=32, num_hidden_layers=3,
         intermediate_size=192, rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=50000.0,
         tie_word_embeddings=False, num_shards=3, seed=2,
+    ),
+}
+
+# Qwen3-MoE shapes. They share the vocabulary size so one torchrun per TP size runs both.
+MOE_SHAPES: dict[str, TinyQwen3MoeSpec] = {
+    # 2 KV heads (replicated at TP=4), a dense layer between two sparse ones, top-2 of 8
+    # experts with renormalised routing weights, tied embeddings, one file.
+    "moe_dense_layer": TinyQwen3MoeSpec(num_hidden_layers=3, mlp_only_layers=(1,)),
+    # top-8 of 16 experts without renormalisation, every layer sparse, untied head, three shards.
+    "moe_top8_sharded": TinyQwen3MoeSpec(
+        num_experts=16, num_experts_per_tok=8, moe_intermediate_size=24, norm_topk_prob=False,
+        num_key_value_heads=4, tie_word_embeddings=False, num_shards=3, seed=4,
     ),
 }
 
@@ -53,3 +65,18 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600, e
     if check and out.returncode != 0:
         raise AssertionError(f"torchrun failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}")
     return out
+
+
+def rank_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the ranks a torchrun agent started (its children with RANK in their environment)."""
+    pids = {}
+    children = subprocess.run(["ps", "--ppid", str(agent_pid), "-o", "pid="], capture_output=True, text=True)
+    for pid in map(int, children.stdout.split()):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                pids[int(item[5:])] = pid
+    return pids

@@ -1,92 +1,271 @@
-"""Peer-death detection: a watchdog thread that notices a rank's process is gone.
+"""Liveness: one watchdog thread per rank turns every way a run can stall into one prompt failure.
 
-Collectives and the shm channel can block forever when a peer dies, so each
-rank runs a watchdog that polls its peers' pids (all ranks of one node). When
-a watched peer is gone, ``on_dead(rank, pid)`` runs; it must end the process.
+What it catches (each within about a second of its bound):
+
+- **died**: a watched peer's process is gone (pid check; a zombie or a reused
+  pid counts as gone).
+- **hung**: a peer's heartbeat (:mod:`rtp.dist.heartbeat`) is older than
+  ``liveness_timeout_s``: stopped, swapped out, stuck in a driver call. The
+  runtime SIGKILLs the hung peer (:func:`kill_hung`) once it has cleaned up:
+  a stopped process cannot act on SIGTERM, torchrun would wait 30 s before it
+  kills it itself, and a rank that missed a whole timeout of collectives can
+  never rejoin the run.
+- **orphaned**: the launcher that started this rank (torchrun's agent) is
+  gone, e.g. SIGKILLed. ``prctl(PR_SET_PDEATHSIG)`` makes the kernel signal
+  the rank at once; a parent-pid check every round is the fallback (a signal
+  that arrived before its handler, or a kernel without prctl).
+- **stuck** (rank 0 only): the current step has run for ``step_timeout_s``.
+  Every rank's heartbeat thread dumps its Python stacks to the log, and the
+  failure names the ranks that had not finished the step.
+
+The first failure wins: :meth:`Watchdog.report` runs ``on_failure(failure)``
+once, from whichever thread reported it first (the watchdog's own, or a main
+thread whose collective failed). ``on_failure`` must end the process, after
+unlinking what it owns; the runtime's handlers do.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
+from rtp.dist.heartbeat import Heartbeat
+from rtp.dist.pids import pid_alive, start_time
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
 
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+PARENT_DEATH_SIGNAL = signal.SIGHUP  # "the one who started you hung up"; torchrun itself never sends it
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (a killed child not yet reaped)."""
-    if pid <= 0:
+
+def set_parent_death_signal(signum: int) -> bool:
+    """Ask the kernel to send ``signum`` to this process when its parent exits (Linux); False if unsupported."""
+    if not sys.platform.startswith("linux"):
         return False
     try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signum), 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+            return False
+    except (OSError, AttributeError):
         return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return True  # no /proc: trust kill(0)
+    return True
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (field 22 of /proc/PID/stat), None if unknown."""
+def died_message(rank: int, pid: int) -> str:
+    return f"rank {rank} (pid {pid}) died"
+
+
+def hung_message(rank: int, pid: int, age_s: float) -> str:
+    return f"rank {rank} (pid {pid}) stopped responding: no heartbeat for {age_s:.1f} s"
+
+
+FailureKind = Literal["died", "hung", "orphaned", "stuck"]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why the run cannot continue, as the one line every exit path reports."""
+
+    kind: FailureKind
+    """died (process gone), hung (no heartbeat), orphaned (launcher gone) or stuck (step timer)."""
+    message: str
+    """One line naming the rank and what happened."""
+    rank: int | None = None
+    """The lost rank (died, hung) or the orphaned rank itself; None for a stuck step."""
+    pid: int | None = None
+    """That rank's pid."""
+    start_time: str | None = None
+    """That process's start time (see :func:`rtp.dist.pids.start_time`): a reused pid is not it."""
+
+
+def kill_hung(failure: Failure) -> None:
+    """SIGKILL the rank a "hung" failure names, if that process is still there; otherwise do nothing."""
+    if failure.kind != "hung" or failure.pid is None or start_time(failure.pid) != failure.start_time:
+        return
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+        os.kill(failure.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    logger.warning("killed rank %s (pid %d): a stopped process cannot exit on its own", failure.rank, failure.pid)
 
 
 class Watchdog:
-    """Polls ``peers`` (rank -> pid) every ``interval_s`` on a daemon thread."""
+    """Watches ``peers`` (rank -> pid), the heartbeats, the launcher and (rank 0) the step timer.
 
-    def __init__(self, peers: dict[int, int], on_dead: Callable[[int, int], None], interval_s: float = 0.25) -> None:
+    ``heartbeat`` enables the hung and stuck checks (``step_timeout_s``, set on
+    rank 0 only); ``parent_pid`` enables the orphan check. Runs every
+    ``interval_s`` on a daemon thread once :meth:`start` is called.
+    """
+
+    def __init__(self, rank: int, peers: dict[int, int], on_failure: Callable[[Failure], None], *,
+                 heartbeat: Heartbeat | None = None, parent_pid: int | None = None,
+                 step_timeout_s: float | None = None, interval_s: float = 0.25, dump_wait_s: float = 3.0) -> None:
+        self.rank = rank
         self.peers = dict(peers)
         # A pid can be reused by a new process once the peer is gone: remember who it was.
-        self._starts = {rank: _start_time(pid) for rank, pid in self.peers.items()}
-        self.on_dead = on_dead
-        self.interval_s = interval_s
+        self._starts = {r: start_time(pid) for r, pid in self.peers.items()}
+        self.on_failure = on_failure  # replaceable: the runtime takes over from the startup handler
+        self.heartbeat, self.parent_pid = heartbeat, parent_pid
+        self.step_timeout_s, self.interval_s, self.dump_wait_s = step_timeout_s, interval_s, dump_wait_s
+        self.failure: Failure | None = None  # the first failure reported
+        self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._old_hup: object = None
+        self._armed = False
         self._thread = threading.Thread(target=self._run, name="rtp-watchdog", daemon=True)
 
+    # ------------------------------------------------------------ lifecycle
+
     def start(self) -> Watchdog:
+        if self.parent_pid is not None:
+            self._arm_parent_death()
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop watching (a clean shutdown is under way: peers exiting is expected)."""
+        """Stop watching (a clean shutdown is under way: peers exiting is expected). Idempotent."""
         self._stop.set()
+        self._wake.set()
+        if self._armed and threading.current_thread() is threading.main_thread():
+            set_parent_death_signal(0)
+            signal.signal(PARENT_DEATH_SIGNAL, self._old_hup)  # type: ignore[arg-type]
+            self._armed = False
+
+    def abort_reason(self) -> str | None:
+        """The failure's message once one was reported, else None (for ``should_abort`` callables)."""
+        failure = self.failure
+        return failure.message if failure is not None else None
+
+    def _arm_parent_death(self) -> None:
+        # The handler only wakes the watchdog thread, which does the exit: a signal handler runs on
+        # the main thread, which may be blocked in C for a long time.
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers need the main thread; the parent-pid check still runs
+        old = signal.signal(PARENT_DEATH_SIGNAL, lambda signum, frame: self._wake.set())
+        self._old_hup = old if old is not None else signal.SIG_DFL  # None: a handler installed outside Python
+        if set_parent_death_signal(PARENT_DEATH_SIGNAL):
+            self._armed = True
+        else:
+            signal.signal(PARENT_DEATH_SIGNAL, self._old_hup)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------ reporting
+
+    def report(self, failure: Failure) -> Failure:
+        """Run ``on_failure`` for the first failure reported; returns that first failure."""
+        with self._lock:
+            if self.failure is not None:
+                return self.failure
+            self.failure = failure
+        try:
+            self.on_failure(failure)
+        except Exception:  # noqa: BLE001 - the failure must still be recorded and returned
+            logger.exception("the failure handler raised")
+        return failure
+
+    # ------------------------------------------------------------ checks
 
     def dead_peers(self) -> list[tuple[int, int]]:
         return [
             (rank, pid)
             for rank, pid in self.peers.items()
-            if not pid_alive(pid) or _start_time(pid) != self._starts[rank]
+            if not pid_alive(pid) or start_time(pid) != self._starts[rank]
         ]
 
-    def wait_for_dead(self, timeout_s: float) -> tuple[int, int] | None:
-        """The first dead peer (rank, pid) seen within ``timeout_s``, else None.
+    def check_peers(self, heartbeats: bool = True) -> Failure | None:
+        """A dead peer, or (``heartbeats``) a hung one; else None."""
+        dead = self.dead_peers()
+        if dead:
+            rank, pid = dead[0]
+            return Failure("died", died_message(rank, pid), rank, pid)
+        if heartbeats and self.heartbeat is not None:
+            silent = self.heartbeat.silent_peer(sorted(self.peers))
+            if silent is not None:
+                rank, age = silent
+                pid = self.peers[rank]
+                return Failure("hung", hung_message(rank, pid, age), rank, pid, self._starts[rank])
+        return None
+
+    def wait_for_lost(self, timeout_s: float) -> Failure | None:
+        """The failure already reported, or the first dead or hung peer seen within ``timeout_s``, else None.
 
         A collective that failed because a peer died usually returns before the
         peer's process is reaped: polling briefly tells the two cases apart.
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            dead = self.dead_peers()
-            if dead or time.monotonic() > deadline:
-                return dead[0] if dead else None
+            found = self.failure or self.check_peers()
+            if found is not None or time.monotonic() > deadline:
+                return found
             time.sleep(0.05)
 
+    def _orphaned(self) -> Failure | None:
+        if self.parent_pid is None or os.getppid() == self.parent_pid:
+            return None
+        return Failure("orphaned", f"rank {self.rank} (pid {os.getpid()}) lost its launcher: "
+                                   f"the torchrun agent (pid {self.parent_pid}) is gone", self.rank, os.getpid())
+
+    def _stuck_step(self) -> Failure | None:
+        hb, limit = self.heartbeat, self.step_timeout_s
+        if hb is None or limit is None:
+            return None
+        step, done, running_s = hb.step_state(self.rank)
+        if step <= done or running_s <= limit:
+            return None
+        # Confirm on a second look: on a weakly ordered CPU the step number and its start time
+        # may briefly be seen out of order.
+        time.sleep(0.05)
+        if hb.step_state(self.rank)[:2] != (step, done):
+            return None
+        behind = [r for r in range(hb.world_size) if hb.step_state(r)[1] < step]
+        waiting = [r for r in behind if hb.waiting(r)]
+        culprits = [r for r in behind if r not in waiting] or behind
+        message = f"step {step} did not finish within {limit:g} s: {_ranks(culprits)} had not finished it"
+        if culprits != behind:
+            message += (f" ({_ranks(waiting)} {'was' if len(waiting) == 1 else 'were'} waiting for "
+                        f"{'it' if len(culprits) == 1 else 'them'} in a collective)")
+        logger.error("%s; asking every rank for its Python stacks", message)
+        seq = hb.request_dump(step)
+        # Ranks that can answer: this one and every peer whose heartbeat still runs.
+        expected = {self.rank} | {r for r in self.peers if hb.age_s(r) < hb.timeout_s}
+        deadline = time.monotonic() + self.dump_wait_s
+        while not expected <= set(hb.dumped(seq)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        answered = hb.dumped(seq)
+        if answered:
+            message += f"; Python stacks of {_ranks(answered)} are in the log"
+        return Failure("stuck", message)
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            dead = self.dead_peers()
-            if dead and not self._stop.is_set():
-                self.on_dead(*dead[0])
+        hb = self.heartbeat
+        # If this thread itself did not run for a while (the process was stopped, the machine
+        # paused or overloaded), the peers' beats look old for the same reason: give them two
+        # beat intervals to show up before judging them.
+        stall_s = hb.timeout_s / 4 if hb is not None else float("inf")
+        last, judge_from = time.monotonic(), 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now - last > stall_s and hb is not None:
+                judge_from = now + 2 * hb.interval_s + self.interval_s
+            last = now
+            failure = self._orphaned() or self.check_peers(heartbeats=now >= judge_from)
+            if failure is None:
+                failure = self._stuck_step()
+            if failure is not None and not self._stop.is_set():
+                self.report(failure)
                 return
+            self._wake.wait(self.interval_s)
+            self._wake.clear()

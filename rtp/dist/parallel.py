@@ -37,6 +37,8 @@ class ParallelState:
     cpu_group: dist.ProcessGroup | None = None
     node_reduce: ShmAllReduce | None = None
     """Shared-memory collectives for CPU tensors when every rank is on this node (set by the runtime)."""
+    launcher_pid: int | None = None
+    """pid of the process that started this rank (torchrun's agent); None without a launcher."""
 
     @property
     def tp_rank(self) -> int:
@@ -60,6 +62,7 @@ class ParallelState:
         """
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             return cls.single(resolve_device(device, 0))
+        launcher_pid = os.getppid()  # first thing: the liveness watchdog compares it with later getppid()
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -75,7 +78,7 @@ class ParallelState:
         # queue behind (or deadlock with) NCCL kernels.
         cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else tp_group
         logger.info("initialised %s world of %d ranks on %s", backend, world_size, dev)
-        return cls(rank, world_size, local_rank, dev, tp_group, cpu_group)
+        return cls(rank, world_size, local_rank, dev, tp_group, cpu_group, launcher_pid=launcher_pid)
 
     # Collectives. With one rank they are no-ops, so layers need no special case.
 

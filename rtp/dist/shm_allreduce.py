@@ -27,9 +27,17 @@ would need fences that Python cannot issue: there, :func:`supported` says no and
 gloo is used.
 
 Lifetime: rank 0 creates the segment, every rank maps it, and rank 0 unlinks the
-name as soon as all have mapped it; the mappings live on until the processes
-exit, so a crash can never leave the segment behind. Waits check the peers'
-pids and a timeout, so a dead or stuck peer becomes an error, not a hang.
+name as soon as all have mapped it (:func:`rtp.dist.node_segment.share_segment`);
+the mappings live on until the processes exit, so a crash can never leave the
+segment behind.
+
+Waiting: a wait that outlasts the spin phase checks, every 50 ms, the late
+peers' pids (a dead peer), their heartbeats (a stopped or hung peer, within
+``liveness_timeout_s``), ``should_abort`` (the runtime failed for another
+reason, e.g. a stuck step) and a last-resort timeout, so a lost peer becomes
+an error naming it, not a hang. While it waits it marks this rank as waiting
+in its heartbeat slot, so a stuck-step report can tell the rank that holds a
+step up from the ranks that wait for it.
 """
 
 from __future__ import annotations
@@ -38,13 +46,15 @@ import mmap
 import os
 import platform
 import time
+from collections.abc import Callable
 
-import _posixshmem
 import numpy as np
 import torch
 
-from rtp.dist.liveness import pid_alive
-from rtp.dist.shm_channel import make_channel_name
+from rtp.dist.heartbeat import Heartbeat
+from rtp.dist.liveness import died_message, hung_message
+from rtp.dist.node_segment import share_segment
+from rtp.dist.pids import pid_alive
 from rtp.errors import RtpError, WorkerDiedError
 
 _LINE = 64
@@ -62,10 +72,13 @@ class ShmAllReduce:
     """Node-local collectives of one rank over a shared segment (see the module docstring)."""
 
     def __init__(self, mm: mmap.mmap, rank: int, world_size: int, slot_bytes: int, peer_pids: dict[int, int],
-                 timeout_s: float) -> None:
+                 timeout_s: float, heartbeat: Heartbeat | None = None,
+                 should_abort: Callable[[], str | None] | None = None) -> None:
         # Private: use create_and_attach().
         self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
         self.peer_pids, self.timeout_s = peer_pids, timeout_s
+        self.heartbeat = heartbeat
+        self.should_abort = should_abort  # returns why the run failed, or None while it is healthy
         self._mm = mm
         header = _LINE * world_size
         # posted[r] is u64 number r * 8 of the header: one cache line per rank.
@@ -143,19 +156,34 @@ class ShmAllReduce:
                 return
         deadline = time.monotonic() + self.timeout_s
         next_check = 0.0
-        while int(posted.min()) < op:
-            os.sched_yield()
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _CHECK_S
-                self._check_peers(op, now >= deadline)
+        hb = self.heartbeat
+        if hb is not None:
+            hb.set_waiting(True)
+        try:
+            while int(posted.min()) < op:
+                os.sched_yield()
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + _CHECK_S
+                    self._check_peers(op, now >= deadline)
+        finally:
+            if hb is not None:
+                hb.set_waiting(False)
 
     def _check_peers(self, op: int, timed_out: bool) -> None:
         late = [r for r in range(self.world_size) if int(self._posted[r]) < op]
         for r in late:
             pid = self.peer_pids.get(r)
             if pid is not None and not pid_alive(pid):
-                raise WorkerDiedError(f"rank {r} (pid {pid}) died during a collective")
+                raise WorkerDiedError(died_message(r, pid) + " during a collective")
+        if self.heartbeat is not None:
+            silent = self.heartbeat.silent_peer(late)
+            if silent is not None:
+                r, age = silent
+                raise WorkerDiedError(hung_message(r, self.peer_pids.get(r, -1), age))
+        reason = self.should_abort() if self.should_abort is not None else None
+        if reason:
+            raise RtpError(f"collective {op} aborted: {reason}")
         if timed_out:
             raise RtpError(f"ranks {late} did not reach collective {op} within {self.timeout_s:.0f} s")
 
@@ -169,50 +197,16 @@ class ShmAllReduce:
             pass  # a view is still alive somewhere; the mapping goes with the process
 
 
-def _map(name: str, size: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
-    try:
-        if create:
-            os.ftruncate(fd, size)
-            try:  # reserve the pages now: a full /dev/shm must fail here, not SIGBUS later
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                raise RtpError(f"cannot reserve {size} bytes of shared memory for the CPU all-reduce "
-                               f"({e.strerror}); enlarge /dev/shm") from None
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-
-
 def create_and_attach(ps, pids: list[int], timeout_s: float,  # noqa: ANN001 - a ParallelState
-                      slot_bytes: int = DEFAULT_SLOT_BYTES) -> ShmAllReduce:
+                      slot_bytes: int = DEFAULT_SLOT_BYTES, heartbeat: Heartbeat | None = None,
+                      should_abort: Callable[[], str | None] | None = None) -> ShmAllReduce:
     """Collective over ``ps.cpu_group``: set up the node's segment on every rank and return this rank's end.
 
     ``pids[r]`` is rank r's pid (all ranks on this node). The name is unlinked
-    before this returns on any rank, so nothing can leak.
+    before this returns on any rank, so nothing can leak. ``heartbeat`` and
+    ``should_abort`` make waits fail fast on a hung peer or a failed run.
     """
     size = ShmAllReduce.segment_bytes(ps.world_size, slot_bytes)
-    name = None
-    if ps.rank == 0:
-        name = make_channel_name()
-        try:
-            mm = _map(name, size, create=True)
-        except BaseException:
-            ps.broadcast_object("")
-            raise
-    name = ps.broadcast_object(name)
-    if not name:
-        raise RtpError("rank 0 could not create the CPU all-reduce segment")
-    if ps.rank != 0:
-        mm = _map(name, size, create=False)
-    try:
-        ps.barrier()  # every rank has mapped it
-    finally:
-        if ps.rank == 0:
-            try:
-                _posixshmem.shm_unlink("/" + name)
-            except FileNotFoundError:
-                pass
+    mm = share_segment(ps, size, "CPU all-reduce")
     peers = {r: pid for r, pid in enumerate(pids) if r != ps.rank}
-    return ShmAllReduce(mm, ps.rank, ps.world_size, slot_bytes, peers, timeout_s)
+    return ShmAllReduce(mm, ps.rank, ps.world_size, slot_bytes, peers, timeout_s, heartbeat, should_abort)

@@ -57,7 +57,7 @@ from types import TracebackType
 import _posixshmem  # the primitive multiprocessing.shared_memory itself is built on
 
 from rtp.errors import RtpError
-from rtp.dist.liveness import pid_alive
+from rtp.dist.pids import pid_alive
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
@@ -430,6 +430,20 @@ def _try_map(name: str) -> mmap.mmap | None:
         mm.close()
         return None
     return mm
+
+
+def remove_segment(name: str) -> bool:
+    """Unlink segment ``name`` whoever created it; False if it was already gone.
+
+    For a reader whose writer was lost (killed because it hung): the writer
+    can no longer unlink its own segment, and it may not be reaped yet, so
+    :func:`cleanup_stale_segments` would still see its pid alive.
+    """
+    try:
+        _posixshmem.shm_unlink("/" + _check_name(name))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def cleanup_stale_segments(prefix: str = "rtp_") -> list[str]:

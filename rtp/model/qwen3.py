@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,16 @@ class Qwen3Spec:
     def from_hf(cls, cfg) -> Qwen3Spec:  # noqa: ANN001 - a transformers PretrainedConfig
         model_type = getattr(cfg, "model_type", None)
         if model_type != "qwen3":
-            raise ModelShapeError(f"model_type={model_type!r} is not supported; rtp serves model_type 'qwen3'")
+            raise ModelShapeError(
+                f"model_type={model_type!r} is not supported; rtp serves model_type 'qwen3' and 'qwen3_moe'"
+            )
+        return cls(**cls.common_fields(cfg))
+
+    @staticmethod
+    def common_fields(cfg) -> dict:  # noqa: ANN001 - a transformers PretrainedConfig
+        """The fields dense Qwen3 and Qwen3-MoE share, read from an HF config."""
         heads = cfg.num_attention_heads
-        return cls(
+        return dict(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
@@ -53,8 +61,12 @@ class Qwen3Spec:
 
     def check_tp(self, tp: int) -> None:
         """Raise ModelShapeError, naming the numbers, if this model cannot be split ``tp`` ways."""
-        divide(self.num_heads, tp, "num_attention_heads")
+        self.check_attention_tp(tp)
         divide(self.intermediate_size, tp, "intermediate_size")
+
+    def check_attention_tp(self, tp: int) -> None:
+        """The attention part of :meth:`check_tp` (query heads and KV heads)."""
+        divide(self.num_heads, tp, "num_attention_heads")
         kv = self.num_kv_heads
         if self.num_heads % kv:
             raise ModelShapeError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={kv}")
@@ -102,12 +114,12 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Qwen3Attention(spec, ps, rotary)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = Qwen3MLP(spec, ps)
+        self.mlp = mlp  # Qwen3MLP, or a sparse MoE block in Qwen3-MoE
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), meta)
@@ -115,10 +127,12 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding, make_mlp: Callable[[int], nn.Module]
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, ps)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, ps, rotary) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, ps, rotary, make_mlp(i)) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
@@ -146,10 +160,14 @@ class Qwen3ForCausalLM(nn.Module):
         self.spec = spec
         inv_freq, scale = rope_inv_freq(hf_config, spec.head_dim)
         rotary = RotaryEmbedding(spec.head_dim, max_positions, inv_freq, scale)
-        self.model = Qwen3Model(spec, ps, rotary)
+        self.model = Qwen3Model(spec, ps, rotary, lambda i: self.make_mlp(i, ps))
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, layer: int, ps: ParallelState) -> nn.Module:
+        """The feed-forward block of layer ``layer`` (Qwen3-MoE overrides this)."""
+        return Qwen3MLP(self.spec, ps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

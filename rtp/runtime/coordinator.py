@@ -2,9 +2,11 @@
 
 Rank 0 runs schedule -> channel.write(encode(plan)) -> execute -> sample ->
 postprocess (see Engine). Ranks > 0 run read -> decode -> execute (see
-worker.py). A watchdog on every rank turns a dead peer into a prompt, logged
-exit instead of a hang in a collective; the shm segment is unlinked on every
-exit path (normal, exception, SIGTERM/SIGINT, peer death).
+worker.py). Every rank beats a heartbeat and runs a watchdog from the start
+(:mod:`rtp.dist.liveness`): a dead or hung peer, a lost launcher or (rank 0) a
+stuck step becomes one logged error line and a prompt non-zero exit instead of
+a hang in a collective. The shm segment is unlinked on every exit path
+(normal, exception, SIGTERM/SIGINT, any liveness failure).
 """
 
 from __future__ import annotations
@@ -25,83 +27,106 @@ from tqdm import tqdm
 from rtp.config import RtpConfig, resolve_tp_size
 from rtp.core.step import StepKind, StepPlan, encode
 from rtp.dist import shm_allreduce
-from rtp.dist.liveness import Watchdog
+from rtp.dist.heartbeat import Heartbeat, interval_for
+from rtp.dist.liveness import Failure, Watchdog, kill_hung
 from rtp.dist.parallel import ParallelState
 from rtp.dist.shm_channel import ShmChannel, cleanup_stale_segments, make_channel_name
-from rtp.errors import RequestError, RtpError, WorkerDiedError
+from rtp.errors import RequestError, RtpError, StepTimeoutError, WorkerDiedError
 from rtp.log import get_logger, setup_logging
 from rtp.outputs import RequestOutput, snapshot
 from rtp.runtime.engine import Engine
+from rtp.runtime.fault_injection import StepDelay
 from rtp.runtime.model_runner import ModelRunner
-from rtp.runtime.worker import run_worker
+from rtp.runtime.worker import WorkerExit, run_worker
 from rtp.sampling import SamplingParams
 
 logger = get_logger(__name__)
 
+# After a liveness failure rank 0's main thread normally unwinds (its waits check the failure)
+# and exits through the launcher's error path. It may instead be stuck where nothing is checked
+# (a gloo or NCCL call, a step sleeping in a test hook): then the process exits this much later.
+_EXIT_GRACE_S = 3.0
+
+
+def _error(failure: Failure) -> WorkerDiedError:
+    return StepTimeoutError(failure.message) if failure.kind == "stuck" else WorkerDiedError(failure.message)
+
 
 class Runtime:
-    """Rank 0's handle on the running world: the engine, the channel, the watchdog."""
+    """Rank 0's handle on the running world: the engine, the channel, the heartbeat and the watchdog."""
 
     def __init__(self, config: RtpConfig, ps: ParallelState, engine: Engine, channel: ShmChannel | None,
-                 peers: dict[int, int]) -> None:
+                 watchdog: Watchdog, heartbeat: Heartbeat, step_delay: StepDelay | None = None) -> None:
         self.config, self.ps, self.engine, self.channel = config, ps, engine, channel
+        self.watchdog, self.heartbeat, self.step_delay = watchdog, heartbeat, step_delay
         self.closed = False
-        self.dead_rank: int | None = None
         self.stop_signal: int | None = None  # SIGTERM/SIGINT received during a step: stop after it
         self.failed: str | None = None  # a step raised: the workers may be stuck in it, the engine is unusable
         self.in_step = False
         self._old_handlers: dict[int, object] = {}
         self.on_failure: list[Callable[[str], None]] = []  # the server hooks in to fail its clients
-        self._watchdog = Watchdog(peers, self._peer_died).start() if peers else None
+        watchdog.on_failure = self._on_failure  # takes over from the start-up handler
 
     # ---- step transport and liveness ----
 
     def send(self, plan: StepPlan) -> None:
-        """Broadcast a plan to the workers (before rank 0 runs it)."""
-        if self.channel is None:
-            return
-        self.channel.write(encode(plan), timeout=self.config.liveness_timeout_s, should_abort=self._dead)
+        """Broadcast a plan to the workers (before rank 0 runs it); a STEP plan starts a step."""
+        step = self.heartbeat.start_step() if plan.kind == StepKind.STEP else None
+        if self.channel is not None:
+            # A full ring with live, beating readers that never read is a stuck step; outside a
+            # step (SHUTDOWN) readers that fail to read for a liveness timeout are as good as gone.
+            timeout = self.config.step_timeout_s if step is not None else self.config.liveness_timeout_s
+            self.channel.write(encode(plan), timeout=timeout, should_abort=self._aborted)
+        if step is not None and self.step_delay is not None:
+            self.step_delay.apply(0, step)
 
-    def _dead(self) -> bool:
-        return self.dead_rank is not None
+    def _aborted(self) -> bool:
+        return self.watchdog.failure is not None
 
-    def _peer_died(self, rank: int, pid: int) -> None:
-        self.dead_rank = rank
-        msg = f"rank {rank} (pid {pid}) died; the runtime cannot continue"
-        logger.error(msg)
-        for hook in self.on_failure:
+    def _on_failure(self, failure: Failure) -> None:
+        """The watchdog's handler (runs once, on whichever thread reported first): fail everything, leave."""
+        logger.error("%s", failure.message)
+        for hook in list(self.on_failure):
             try:
-                hook(msg)
+                hook(failure.message)
             except Exception:  # noqa: BLE001 - failing clients must not stop the exit
                 logger.exception("failure hook raised")
         self._unlink()
-        # The main thread may be blocked in a collective with the dead rank: leave now,
-        # within the liveness bound, rather than wait for a collective timeout.
-        threading.Timer(1.0, os._exit, args=(1,)).start()
+        # The main thread normally notices the failure within milliseconds and exits through the
+        # launcher's error path (shutdown() kills a hung peer last); if it is stuck where nothing
+        # is checked, leave without it.
+        timer = threading.Timer(_EXIT_GRACE_S, self._exit_now, args=(failure,))
+        timer.daemon = True
+        timer.start()
+
+    def _exit_now(self, failure: Failure) -> None:
+        logger.error("rank 0's main thread did not stop within %.0f s of the failure; exiting", _EXIT_GRACE_S)
+        kill_hung(failure)
+        os._exit(1)
 
     def check_alive(self) -> None:
-        if self.dead_rank is not None:
-            raise WorkerDiedError(f"rank {self.dead_rank} died; the runtime cannot continue")
+        """Raise the liveness failure, if one was reported."""
+        if self.watchdog.failure is not None:
+            raise _error(self.watchdog.failure)
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. A collective that fails because a peer died becomes a WorkerDiedError naming it."""
+        """One engine step. A step that fails because a peer was lost becomes a WorkerDiedError naming it."""
         self.check_alive()
         if self.failed is not None:
             raise RtpError(f"the runtime failed earlier and cannot continue: {self.failed}")
         self.in_step = True
         try:
-            return self.engine.step()
+            outputs = self.engine.step()
+            self.heartbeat.finish_step()
+            return outputs
         except Exception as e:
-            dead = self._watchdog.wait_for_dead(timeout_s=3.0) if self._watchdog is not None else None
+            found = self.watchdog.wait_for_lost(timeout_s=3.0)
             self.failed = f"{type(e).__name__}: {e}"
-            if dead is None:
+            if found is None:
                 raise
-            rank, pid = dead
-            msg = f"rank {rank} (pid {pid}) died during a step; failing all pending requests"
-            self.dead_rank = rank
-            self.engine.fail_all(msg)
-            self._unlink()
-            raise WorkerDiedError(msg) from e
+            failure = self.watchdog.report(found)  # the first failure wins, whoever saw it
+            self.engine.fail_all(failure.message)
+            raise _error(failure) from e
         finally:
             self.in_step = False
             if self.stop_signal is not None:
@@ -198,14 +223,13 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
-        if self._watchdog is not None:
-            self._watchdog.stop()
+        self.watchdog.stop()
         for signum, handler in self._old_handlers.items():
             signal.signal(signum, handler)
         # After a failed step the workers may still sit in its collectives: telling them to
         # shut down or meeting them at a barrier could block. Leaving is enough, since their
         # watchdogs see rank 0 go.
-        healthy = self.dead_rank is None and self.failed is None
+        healthy = self.watchdog.failure is None and self.failed is None
         try:
             if self.channel is not None and healthy:
                 self.send(StepPlan(kind=StepKind.SHUTDOWN))
@@ -219,6 +243,12 @@ class Runtime:
             if self.engine is not None:
                 self.engine.runner.close()
             self.ps.destroy(barrier=healthy)
+            # Last: the workers watch this heartbeat until they have read SHUTDOWN.
+            self.heartbeat.stop()
+            if self.watchdog.failure is not None:
+                # A hung peer cannot exit on its own. Killed only now, because torchrun answers a
+                # rank's death by signalling the others, which would cut this cleanup short.
+                kill_hung(self.watchdog.failure)
         logger.info("shut down")
 
 
@@ -227,29 +257,76 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
     ps = ParallelState.from_env(config.device, timeout_s=max(config.liveness_timeout_s, 60.0))
     setup_logging(ps.rank, config.log_level)
     resolve_tp_size(config, ps.world_size)
-    pids: list[int] = [os.getpid()]
+    step_delay = StepDelay.from_env()
+    pids = _gather_pids(ps)
+    heartbeat, watchdog = _start_liveness(config, ps, pids)
+    try:
+        return _start(config, model_dir, ps, pids, heartbeat, watchdog, step_delay)
+    except BaseException:
+        # Every rank usually fails the same way (a bad model, a bad shape): stop watching, so a peer
+        # leaving first is not reported on top of the real error. The heartbeat keeps beating until
+        # this process exits, so the peers do not take this rank for a hung one meanwhile.
+        watchdog.stop()
+        raise
+
+
+def _gather_pids(ps: ParallelState) -> list[int]:
+    """Every rank's pid, by rank; refuses ranks on several hosts."""
+    if ps.world_size == 1:
+        return [os.getpid()]
+    peers = [None] * ps.world_size
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=ps.cpu_group)
+    hosts = sorted({host for host, _ in peers})
+    if len(hosts) > 1:
+        # The step channel and the pid watchdog need one machine; say so instead of timing out.
+        raise RtpError(f"all ranks must run on one node (rtp's step channel is shared memory); found hosts {hosts}")
+    return [pid for _, pid in peers]
+
+
+def _start_liveness(config: RtpConfig, ps: ParallelState, pids: list[int]) -> tuple[Heartbeat, Watchdog]:
+    """Start this rank's heartbeat and watchdog (collective over the control group when there are peers).
+
+    They start before the model loads, so a rank lost during the load is
+    caught too; until rank 0's Runtime takes over, a failure just logs and exits.
+    """
+    timeout = config.liveness_timeout_s
     if ps.world_size > 1:
-        peers = [None] * ps.world_size
-        dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=ps.cpu_group)
-        hosts = sorted({host for host, _ in peers})
-        if len(hosts) > 1:
-            # The step channel and the pid watchdog need one machine; say so instead of timing out.
-            raise RtpError(
-                f"all ranks must run on one node (rtp's step channel is shared memory); found hosts {hosts}"
-            )
-        pids = [pid for _, pid in peers]
-        if ps.device.type == "cpu" and shm_allreduce.supported():
-            # Layers' all-reduces and the logits gather go through shared memory instead of gloo.
-            ps.node_reduce = shm_allreduce.create_and_attach(ps, pids, max(config.liveness_timeout_s, 60.0))
+        heartbeat = Heartbeat.shared(ps, interval_for(timeout), timeout)
+    else:
+        heartbeat = Heartbeat.private(interval_for(timeout), timeout)
+    heartbeat.start()
+    on_failure = WorkerExit(ps.rank) if ps.rank != 0 else _exit_at_startup
+    watchdog = Watchdog(
+        ps.rank, {r: pid for r, pid in enumerate(pids) if r != ps.rank}, on_failure, heartbeat=heartbeat,
+        parent_pid=ps.launcher_pid, step_timeout_s=config.step_timeout_s if ps.rank == 0 else None,
+    )
+    return heartbeat, watchdog.start()
+
+
+def _exit_at_startup(failure: Failure) -> None:
+    logger.error("%s; rank 0 exits", failure.message)
+    kill_hung(failure)
+    os._exit(1)  # the main thread may be blocked in a start-up collective with the lost rank
+
+
+def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int], heartbeat: Heartbeat,
+           watchdog: Watchdog, step_delay: StepDelay | None) -> Runtime:
+    if ps.world_size > 1 and ps.device.type == "cpu" and shm_allreduce.supported():
+        # Layers' all-reduces and the logits gather go through shared memory instead of gloo.
+        ps.node_reduce = shm_allreduce.create_and_attach(
+            ps, pids, max(config.liveness_timeout_s, 60.0), heartbeat=heartbeat, should_abort=watchdog.abort_reason
+        )
     runner = ModelRunner(
         ps, model_dir, dtype=config.dtype, block_size=config.block_size, max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         num_kv_blocks=config.num_kv_blocks,
         cpu_kv_cache_gib=config.cpu_kv_cache_gib, gpu_memory_utilization=config.gpu_memory_utilization,
         enforce_eager=config.enforce_eager, cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+        expert_parallel=config.expert_parallel,
     )
     if ps.world_size == 1:
-        runtime = Runtime(config, ps, Engine(config, runner, model_dir), None, {})
+        runtime = Runtime(config, ps, None, None, watchdog, heartbeat, step_delay)  # type: ignore[arg-type]
+        runtime.engine = Engine(config, runner, model_dir, transport=runtime.send)  # transport: step tracking
         _install_exit_handlers(runtime)
         return runtime
     if ps.rank == 0:
@@ -262,9 +339,10 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
             ps.broadcast_object("")  # tell the workers waiting for the name to give up
             raise
         try:
-            ps.broadcast_object(channel.name)
-            runtime = Runtime(config, ps, None, channel, {r: pids[r] for r in range(1, ps.world_size)})  # type: ignore[arg-type]
+            # The Runtime first: from here on a liveness failure unlinks the channel.
+            runtime = Runtime(config, ps, None, channel, watchdog, heartbeat, step_delay)  # type: ignore[arg-type]
             _install_exit_handlers(runtime)
+            ps.broadcast_object(channel.name)
             runtime.engine = Engine(config, runner, model_dir, transport=runtime.send)
         except BaseException:
             channel.unlink()
@@ -274,7 +352,7 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
     if not name:
         logger.error("rank 0 failed to create the step channel; rank %d exits", ps.rank)
         sys.exit(1)
-    run_worker(ps, runner, name, pids[0], config.liveness_timeout_s)
+    run_worker(ps, runner, name, watchdog, heartbeat, step_delay)
     runner.close()
     ps.destroy()
     sys.exit(0)

@@ -16,6 +16,7 @@ from rtp.model.attention import AttnMetadata, choose_attn_backend
 from rtp.model.linear import onednn_packing_supported, pack_linear_weights
 from rtp.model.loader import LoadReport, load_weights
 from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
+from rtp.model.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSpec
 from rtp.runtime.batch import BatchInputs, BatchMirror
 from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
 
@@ -43,13 +44,25 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(
-    model_dir: str | Path, ps: ParallelState, dtype: torch.dtype, max_positions: int | None = None
+    model_dir: str | Path,
+    ps: ParallelState,
+    dtype: torch.dtype,
+    max_positions: int | None = None,
+    expert_parallel: bool = False,
 ) -> tuple[Qwen3ForCausalLM, LoadReport]:
-    """Build this rank's slice of the model on its device and load the weights."""
+    """Build this rank's slice of the model (dense Qwen3 or Qwen3-MoE) on its device and load the weights.
+
+    ``expert_parallel`` (MoE only): whole experts per rank instead of a slice of every expert.
+    """
     hf_config = AutoConfig.from_pretrained(str(model_dir))
-    spec = Qwen3Spec.from_hf(hf_config)
+    is_moe = getattr(hf_config, "model_type", None) == "qwen3_moe"
+    spec = Qwen3MoeSpec.from_hf(hf_config) if is_moe else Qwen3Spec.from_hf(hf_config)
+    positions = max(max_positions or 0, spec.max_position_embeddings)
     with _default_dtype(dtype), torch.device(ps.device):
-        model = Qwen3ForCausalLM(spec, ps, hf_config, max(max_positions or 0, spec.max_position_embeddings))
+        if is_moe:
+            model = Qwen3MoeForCausalLM(spec, ps, hf_config, positions, expert_parallel)
+        else:
+            model = Qwen3ForCausalLM(spec, ps, hf_config, positions)
     report = load_weights(model, model_dir)
     if onednn_packing_supported(ps.device, dtype):
         n = pack_linear_weights(model)
@@ -75,6 +88,7 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = True,
         cuda_graph_max_batch: int = 256,
+        expert_parallel: bool = False,
     ) -> None:
         self.ps = ps
         self.max_num_seqs = max_num_seqs
@@ -86,7 +100,7 @@ class ModelRunner:
         if ps.device.type == "cuda" and self.attn_backend == "torch":
             logger.warning("neither flash-attn (not installed, dtype %s, or pre-Ampere GPU) nor triton is usable "
                            "here: using the slow torch attention", self.dtype)
-        self.model, self.load_report = load_model(model_dir, ps, self.dtype, max_model_len)
+        self.model, self.load_report = load_model(model_dir, ps, self.dtype, max_model_len, expert_parallel)
         self.spec = self.model.spec
         self.max_model_len = max_model_len or self.spec.max_position_embeddings
         self.block_size = block_size

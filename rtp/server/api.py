@@ -21,7 +21,8 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +41,8 @@ from rtp.server.protocol import ApiError, ChatCompletionRequest, CommonRequest, 
 from rtp.server.responses import ResponseBuilder
 
 logger = get_logger(__name__)
+
+_T = TypeVar("_T")
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # pydantic names union members in error locations ("prompt", "str"); they are no field names.
@@ -125,6 +128,20 @@ class _Api:
         self.max_model_len = int(engine.engine.max_model_len)
         self.metrics = ServerMetrics(lambda: self.engine.stats)
         self.created = int(time.time())
+        # Tokenizing and chat templates take milliseconds per prompt (a second for a 1 MiB one): on
+        # the event loop they would stall every stream, /health and the failure answers. One thread
+        # keeps the tokenizer used by at most two threads at a time (this one and the engine's
+        # detokenizer), as before, since a fast tokenizer is not safe to share more freely.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-tokenize")
+
+    def close(self) -> None:
+        """Stop the tokenizing thread (the app's lifespan ends)."""
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:  # noqa: ANN401
+        """Run ``fn(*args, **kwargs)`` on the tokenizing thread, so the event loop keeps serving."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool,
+                                                                functools.partial(fn, *args, **kwargs))
 
     # ---- request plumbing ----
 
@@ -175,11 +192,11 @@ class _Api:
             raise ApiError(404, f"the model {name!r} does not exist: this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def submit(self, req: CommonRequest, prompt: str | list[int], logprobs: int | None, prefix: str,
-               prompt_param: str) -> tuple[RequestStream, list[int], str]:
-        """Tokenize, build SamplingParams and queue the request: (stream, prompt ids, request id)."""
+    async def submit(self, req: CommonRequest, prompt: str | list[int], logprobs: int | None, prefix: str,
+                     prompt_param: str) -> tuple[RequestStream, list[int], str]:
+        """Tokenize (off the loop), build SamplingParams and queue the request: (stream, prompt ids, request id)."""
         try:
-            ids = self.engine.engine.tokenize(prompt)
+            ids = await self.off_loop(self.engine.engine.tokenize, prompt)
             req_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             max_tokens = resolve_max_tokens(req.requested_max_tokens(), self.server, len(ids), self.max_model_len,
                                             req_param, prompt_param)
@@ -245,7 +262,7 @@ class _Api:
         req: CompletionRequest = await self.read_body(request, CompletionRequest)
         self.check_model(req)
         req.check_supported()
-        stream, ids, rid = self.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt")
+        stream, ids, rid = await self.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt")
         build = ResponseBuilder("text_completion", rid, self.model_name, self.tokenizer, len(ids), req.logprobs)
         return await self.respond(request, req, stream, ids, build)
 
@@ -254,13 +271,13 @@ class _Api:
         self.check_model(req)
         req.check_supported()
         try:
-            text = self.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True,
-                                                      tokenize=False)
+            text = await self.off_loop(self.tokenizer.apply_chat_template, req.conversation(),
+                                       add_generation_prompt=True, tokenize=False)
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors: the template rejected these messages
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
-        stream, ids, rid = self.submit(req, text, req.num_logprobs(), "chatcmpl", "messages")
+        stream, ids, rid = await self.submit(req, text, req.num_logprobs(), "chatcmpl", "messages")
         build = ResponseBuilder("chat.completion", rid, self.model_name, self.tokenizer, len(ids),
                                 req.num_logprobs())
         return await self.respond(request, req, stream, ids, build)
@@ -326,6 +343,7 @@ def build_app(async_engine: AsyncEngine, config: RtpConfig, model_name: str) -> 
             yield
         finally:
             await asyncio.to_thread(async_engine.stop)
+            api.close()
 
     app = FastAPI(title="rtp", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.api = api

@@ -27,6 +27,8 @@ from rtp.sampling import SamplingParams
 
 logger = get_logger(__name__)
 
+_FAILED_JOIN_S = 2.0  # how long stop() waits for the engine thread once the runtime has failed
+
 
 class EngineDeadError(RtpError):
     """The runtime failed (a rank died or the engine thread crashed); no request can be served."""
@@ -119,13 +121,18 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread after its current step; end any stream still open. Idempotent."""
+        """Stop the engine thread after its current step; end any stream still open. Idempotent.
+
+        After a failure the thread may be stuck for good in a collective with
+        a lost rank: it then gets a few seconds, not ``timeout``.
+        """
         self._stop.set()
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            wait_s = timeout if self.failure is None else min(timeout, _FAILED_JOIN_S)
+            self._thread.join(wait_s)
             if self._thread.is_alive():
-                logger.error("the engine thread did not stop within %.0f s", timeout)
+                logger.error("the engine thread did not stop within %.0f s", wait_s)
         self._end_all(ServerShuttingDownError("the server stopped before the request finished"))
 
     def fail(self, message: str) -> None:
@@ -215,12 +222,14 @@ class AsyncEngine:
                 for out in outputs:
                     self._deliver(out)
         except BaseException as e:  # noqa: BLE001 - a crashed engine thread must fail every client
-            logger.exception("the engine thread failed")
-            # Clients get the exception type only; the details are in the log above.
-            message = (
-                str(e) if isinstance(e, WorkerDiedError)
-                else f"the engine failed ({type(e).__name__}; see the server log)"
-            )
+            if isinstance(e, WorkerDiedError):
+                # A lost rank: the runtime logged the one line that says why; no traceback to add.
+                logger.error("the engine thread stopped: %s", e)
+                message = str(e)
+            else:
+                logger.exception("the engine thread failed")
+                # Clients get the exception type only; the details are in the log above.
+                message = f"the engine failed ({type(e).__name__}; see the server log)"
             self.fail(message)
             for hook in self.on_dead:
                 try:

@@ -100,7 +100,6 @@ def run_server(runtime: Any, sock: socket.socket | None = None, access_log: bool
     config = runtime.config
     server_cfg = config.server
     engine = AsyncEngine(runtime.engine, step=runtime.step)
-    runtime.on_failure.append(engine.fail)
     model_name = server_cfg.served_model_name or Path(runtime.engine.model_dir).name
     app = build_app(engine, config, model_name)
     sock = sock if sock is not None else bind_socket(server_cfg.host, server_cfg.port)
@@ -117,6 +116,11 @@ def run_server(runtime: Any, sock: socket.socket | None = None, access_log: bool
         exit_code = 1
         server.should_exit = True  # a server without an engine only answers errors: stop it
 
+    # A lost rank (the runtime's watchdog, any thread): first every open and queued request gets
+    # its error, then the server stops and the process exits non-zero. The engine thread may be
+    # idle or stuck in a collective, so this must not wait for it to notice.
+    runtime.on_failure.append(engine.fail)
+    runtime.on_failure.append(engine_died)
     engine.on_dead.append(engine_died)
     # uvicorn captures SIGTERM/SIGINT while it runs and re-raises them to the previous
     # handlers once it stopped; make those previous handlers inert so that a graceful

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from rtp.dist import shm_allreduce
+from rtp.dist.heartbeat import Heartbeat
 from rtp.dist.parallel import ParallelState
-from rtp.errors import WorkerDiedError
+from rtp.errors import RtpError, WorkerDiedError
+
+HUNG_TIMEOUT_S = 2.0  # liveness timeout of the "hung" mode
 
 
 def main() -> None:
@@ -18,10 +23,36 @@ def main() -> None:
     ps = ParallelState.from_env("cpu")
     pids = [None] * ps.world_size
     dist.all_gather_object(pids, os.getpid(), group=ps.cpu_group)
-    ar = shm_allreduce.create_and_attach(ps, pids, timeout_s=20.0, slot_bytes=4096)  # tiny slots: force pieces
+    heartbeat = Heartbeat.shared(ps, interval_s=0.1, timeout_s=HUNG_TIMEOUT_S).start()
+    ar = shm_allreduce.create_and_attach(ps, pids, timeout_s=20.0, slot_bytes=4096,  # tiny slots: force pieces
+                                         heartbeat=heartbeat)
     ps.barrier()  # rank 0 unlinks the name when it leaves setup
     leaked = [n for n in os.listdir("/dev/shm") if n.startswith(f"rtp_{pids[0]}_")]
     assert not leaked, f"segment still named after setup: {leaked}"
+    if mode == "hung":  # rank 1 stops (SIGSTOP) before the collective: only its heartbeat can tell
+        if ps.rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            ar.all_reduce(torch.ones(8))
+        except WorkerDiedError as e:
+            print(f"rank 0 after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+            os.kill(pids[1], signal.SIGKILL)
+            os._exit(3)
+        os._exit(4)
+    if mode == "abort":  # the runtime failed for another reason while rank 0 waits for rank 1
+        if ps.rank == 1:
+            time.sleep(30)
+            os._exit(0)
+        t0 = time.monotonic()
+        ar.should_abort = lambda: "the run failed" if time.monotonic() - t0 > 0.5 else None
+        try:
+            ar.all_reduce(torch.ones(8))
+        except RtpError as e:
+            print(f"rank 0 after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+            os.kill(pids[1], signal.SIGKILL)
+            os._exit(3)
+        os._exit(4)
     if mode == "dead":
         if ps.rank == 1:
             os._exit(0)  # leave without ever joining the collective

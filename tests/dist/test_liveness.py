@@ -1,12 +1,81 @@
-"""The pid watchdog: dead and zombie processes count as dead, stop() silences it."""
+"""The watchdog: dead, hung (SIGSTOP) and orphaned ranks, stuck steps with stack dumps, stop() silences it.
 
+The peers here are small subprocesses that map a heartbeat region by name,
+so every case runs in a second or two without torchrun.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 
-from rtp.dist.liveness import Watchdog, pid_alive
+import pytest
+
+from rtp.dist.heartbeat import Heartbeat
+from rtp.dist.liveness import Failure, Watchdog, kill_hung, pid_alive
+from rtp.dist.node_segment import map_segment
+from rtp.dist.shm_channel import make_channel_name
+from tests.utils import REPO
+
+TIMEOUT_S = 1.5  # liveness timeout of these tests (short, with room for a loaded machine)
+INTERVAL_S = 0.05  # heartbeat interval
+
+# A peer (rank 1) that maps the region, beats from its thread, and does what argv[2] says:
+# "beat" just beats, "step" also starts a step and never finishes it.
+PEER = """
+import sys, time
+from rtp.dist.heartbeat import Heartbeat
+from rtp.dist.node_segment import map_segment
+name, mode = sys.argv[1], sys.argv[2]
+hb = Heartbeat(map_segment(name, Heartbeat.region_bytes(2), create=False, what="test"), 1, 2, {interval}, {timeout})
+hb.start()
+if mode == "step":
+    hb.start_step()
+print("ready", flush=True)
+while True:
+    time.sleep(0.5)  # the main thread is "busy"; only the heartbeat thread beats
+""".format(interval=INTERVAL_S, timeout=TIMEOUT_S)
+
+
+class Peer:
+    """Rank 0's end of a two-rank heartbeat region, with rank 1 in a subprocess."""
+
+    def __init__(self, mode: str = "beat") -> None:
+        name = make_channel_name()
+        mm = map_segment(name, Heartbeat.region_bytes(2), create=True, what="test")
+        self.hb = Heartbeat(mm, 0, 2, INTERVAL_S, TIMEOUT_S)
+        self.proc = subprocess.Popen([sys.executable, "-c", PEER, name, mode], cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        try:
+            assert self.proc.stdout.readline().strip() == "ready", self.proc.stderr.read()
+        finally:
+            _posixshmem.shm_unlink("/" + name)  # both ends mapped it: nothing can leak
+        self.hb.start()
+
+    def close(self) -> str:
+        """Kill the peer if still there; returns its stderr."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        _, err = self.proc.communicate(timeout=30)
+        self.hb.stop()
+        return err
+
+
+class Recorder:
+    """An on_failure callback that records failures (a real one would end the process)."""
+
+    def __init__(self) -> None:
+        self.failures: list[Failure] = []
+        self.fired = threading.Event()
+
+    def __call__(self, failure: Failure) -> None:
+        self.failures.append(failure)
+        self.fired.set()
 
 
 def test_pid_alive_sees_exit_and_zombies():
@@ -23,26 +92,145 @@ def test_pid_alive_sees_exit_and_zombies():
 
 def test_watchdog_reports_a_dead_peer_once_and_stop_silences_it():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
-    seen, fired = [], threading.Event()
-    dog = Watchdog({3: child.pid}, lambda rank, pid: (seen.append((rank, pid)), fired.set()), interval_s=0.05)
-    dog.start()
-    assert fired.wait(30)
-    assert seen == [(3, child.pid)]
-    assert dog.wait_for_dead(0.1) == (3, child.pid)
+    rec = Recorder()
+    dog = Watchdog(0, {3: child.pid}, rec, interval_s=0.05).start()
+    assert rec.fired.wait(30)
+    assert rec.failures == [Failure("died", f"rank 3 (pid {child.pid}) died", 3, child.pid)]
+    assert dog.wait_for_lost(0.1) == rec.failures[0]
+    assert dog.report(Failure("hung", "later", 3, child.pid)) == rec.failures[0]  # the first failure wins
+    assert len(rec.failures) == 1 and dog.abort_reason() == rec.failures[0].message
     child.wait()
 
     quiet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
-    calls = []
-    dog2 = Watchdog({1: quiet.pid}, lambda *a: calls.append(a), interval_s=0.05).start()
+    calls = Recorder()
+    dog2 = Watchdog(0, {1: quiet.pid}, calls, interval_s=0.05).start()
     dog2.stop()
     quiet.wait()
     time.sleep(0.3)
-    assert calls == []
-    assert Watchdog({1: os.getpid()}, lambda *a: None).wait_for_dead(0.2) is None
+    assert calls.failures == [] and dog2.abort_reason() is None
+    assert Watchdog(0, {1: os.getpid()}, Recorder()).wait_for_lost(0.2) is None
 
 
 def test_a_reused_pid_is_not_mistaken_for_the_peer():
-    dog = Watchdog({1: os.getpid()}, lambda *a: None)
+    dog = Watchdog(0, {1: os.getpid()}, Recorder())
     assert dog.dead_peers() == []
     dog._starts[1] = "0"  # as if this pid had belonged to a process that started earlier and died
     assert dog.dead_peers() == [(1, os.getpid())]
+
+
+def test_a_busy_peer_beats_and_a_stopped_one_is_declared_hung_and_killed():
+    peer = Peer()
+    rec = Recorder()
+    dog = Watchdog(0, {1: peer.proc.pid}, rec, heartbeat=peer.hb, interval_s=0.05).start()
+    try:
+        # Its main thread only sleeps, for longer than the timeout: the heartbeat thread keeps it alive.
+        assert not rec.fired.wait(2 * TIMEOUT_S), rec.failures
+        assert peer.hb.beats(1) > 10 and peer.hb.pid(1) == peer.proc.pid
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert rec.fired.wait(TIMEOUT_S + 5)
+        assert time.monotonic() - t0 < TIMEOUT_S + 1.0
+        [failure] = rec.failures
+        assert failure.kind == "hung" and failure.rank == 1 and failure.pid == peer.proc.pid
+        assert failure.message.startswith(f"rank 1 (pid {peer.proc.pid}) stopped responding: no heartbeat for ")
+        kill_hung(failure)  # what the runtime's handlers do: a stopped rank cannot exit by itself
+        assert peer.proc.wait(10) == -signal.SIGKILL
+        kill_hung(failure)  # gone (a zombie reaped): nothing to kill, no error
+    finally:
+        dog.stop()
+        peer.close()
+
+
+def test_a_stuck_step_names_the_rank_that_holds_it_and_every_rank_dumps_its_stacks(capfd, caplog):
+    peer = Peer("step")  # rank 1 started step 1 and never finishes it
+    rec = Recorder()
+    dog = Watchdog(0, {1: peer.proc.pid}, rec, heartbeat=peer.hb, step_timeout_s=1.5, interval_s=0.05)
+    try:
+        assert peer.hb.start_step() == 1
+        peer.hb.set_waiting(True)  # rank 0 waits for rank 1 in a collective
+        dog.start()
+        assert rec.fired.wait(30)
+        [failure] = rec.failures
+        assert failure.kind == "stuck"
+        assert failure.message == ("step 1 did not finish within 1.5 s: rank 1 had not finished it "
+                                   "(rank 0 was waiting for it in a collective); "
+                                   "Python stacks of ranks 0, 1 are in the log")
+        assert peer.proc.poll() is None  # a slow step is not a hung rank: nobody was killed
+    finally:
+        dog.stop()
+        peer_err = peer.close()
+    # Each rank logs a header line, then faulthandler writes every thread's stack to stderr.
+    ours = capfd.readouterr().err
+    assert f"rank 0 (pid {os.getpid()}): Python stacks follow" in caplog.text  # pytest holds rank 0's log
+    assert "most recent call first" in ours and "in _stuck_step" in ours  # the watchdog thread that asked
+    assert f"rank 1 (pid {peer.proc.pid}): Python stacks follow" in peer_err
+    assert 'File "<string>", line 12 in <module>' in peer_err, peer_err  # rank 1's main thread, in its sleep
+
+
+def test_finished_steps_and_idle_time_are_not_stuck():
+    hb = Heartbeat.private(INTERVAL_S, TIMEOUT_S).start()
+    rec = Recorder()
+    dog = Watchdog(0, {}, rec, heartbeat=hb, step_timeout_s=0.3, interval_s=0.02).start()
+    try:
+        for _ in range(3):
+            hb.start_step()
+            time.sleep(0.1)
+            hb.finish_step()
+            time.sleep(0.4)  # idle for longer than step_timeout_s: only a running step counts
+        assert hb.step_state(0)[:2] == (3, 3)
+        assert not rec.fired.is_set(), rec.failures
+    finally:
+        dog.stop()
+        hb.stop()
+
+
+def test_a_changed_parent_pid_is_an_orphaned_rank():
+    rec = Recorder()
+    # Started off the main thread: no signal handler, only the parent-pid check.
+    dog = Watchdog(4, {}, rec, parent_pid=os.getppid() + 100_000, interval_s=0.05)
+    starter = threading.Thread(target=dog.start)
+    starter.start()
+    starter.join()
+    assert rec.fired.wait(10)
+    assert rec.failures[0].kind == "orphaned" and rec.failures[0].message.startswith(f"rank 4 (pid {os.getpid()})")
+    assert "lost its launcher" in rec.failures[0].message
+
+
+# A launcher (the middle process) that starts a rank and waits; the rank arms the parent-death
+# signal and polls only every 60 s, so only the signal can make it notice its launcher's death fast.
+ORPHAN = """
+import os, sys, time
+from rtp.dist.liveness import Watchdog
+def lost(failure):
+    print(failure.message, flush=True)
+    os._exit(3)
+Watchdog(1, {}, lost, parent_pid=os.getppid(), interval_s=60.0).start()
+print("armed", flush=True)
+time.sleep(120)
+"""
+LAUNCHER = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=open(sys.argv[2], "w"))
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_the_parent_death_signal_wakes_an_orphaned_rank_at_once(tmp_path):
+    out = tmp_path / "rank.out"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, ORPHAN, str(out)], cwd=REPO,
+                                stdout=subprocess.PIPE, text=True)
+    rank_pid = int(launcher.stdout.readline())
+    deadline = time.monotonic() + 30
+    while "armed" not in out.read_text():
+        assert time.monotonic() < deadline and pid_alive(rank_pid)
+        time.sleep(0.05)
+    launcher.kill()
+    launcher.wait()
+    t0 = time.monotonic()
+    while pid_alive(rank_pid):
+        assert time.monotonic() - t0 < 5, "the orphaned rank did not notice its launcher's death"
+        time.sleep(0.05)
+    assert time.monotonic() - t0 < 2  # the signal, not the (60 s) poll
+    assert f"lost its launcher: the torchrun agent (pid {launcher.pid}) is gone" in out.read_text()

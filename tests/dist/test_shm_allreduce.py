@@ -1,6 +1,8 @@
-"""Shared-memory all-reduce and gather between torchrun ranks: exact sums, chunking, dead peers, no leaks."""
+"""Shared-memory all-reduce and gather between torchrun ranks: exact sums, chunking, lost peers, no leaks."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -22,3 +24,18 @@ def test_a_dead_peer_is_an_error_not_a_hang() -> None:
     out = torchrun(WORKER, 2, "dead", timeout=120, check=False)
     assert "rank 0: rank 1 (pid" in out.stdout and "died during a collective" in out.stdout, out.stdout + out.stderr
     assert out.returncode != 0
+
+
+def test_a_hung_peer_is_an_error_within_the_liveness_timeout() -> None:
+    out = torchrun(WORKER, 2, "hung", timeout=120, check=False)
+    m = re.search(r"rank 0 after ([\d.]+) s: rank 1 \(pid \d+\) stopped responding: no heartbeat for [\d.]+ s",
+                  out.stdout)
+    assert m, out.stdout + out.stderr[-3000:]
+    assert 2.0 <= float(m.group(1)) < 2.0 + 1.5  # HUNG_TIMEOUT_S, not the 20 s collective timeout
+    assert out.returncode != 0
+
+
+def test_a_failed_run_aborts_a_waiting_collective() -> None:
+    out = torchrun(WORKER, 2, "abort", timeout=120, check=False)
+    m = re.search(r"rank 0 after ([\d.]+) s: collective \d+ aborted: the run failed", out.stdout)
+    assert m and float(m.group(1)) < 2.0, out.stdout + out.stderr[-3000:]

@@ -1,6 +1,8 @@
-"""Failures never hang: dead workers, a dead coordinator, SIGTERM, bad configs, runs side by side.
+"""Failures never hang: dead, stopped and orphaned ranks, stuck steps, SIGTERM, bad configs, runs side by side.
 
-Every run goes through torchrun (gloo, CPU) with the tiny default model.
+Every run goes through torchrun (gloo, CPU) with the tiny default model. The
+liveness tests use a config with a short ``liveness_timeout_s`` so that each
+costs a few seconds beyond its bound.
 """
 
 from __future__ import annotations
@@ -16,22 +18,34 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rtp.dist.liveness import pid_alive
-from tests.utils import REPO
+from tests.utils import REPO, rank_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-BOUND_S = 30.0  # the default liveness bound
+BOUND_S = 30.0  # generous bound for the failures that do not depend on liveness_timeout_s
+LIVENESS_S = 4.0  # liveness_timeout_s of the heartbeat tests
+
+
+def config_file(tmp_path: Path, **overrides: object) -> Path:
+    """configs/cpu.yaml with ``overrides``, written to a file of its own."""
+    data = yaml.safe_load((REPO / "configs" / "cpu.yaml").read_text())
+    data.update(overrides)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 class Run:
     """A torchrun launch in its own process group, with its output collected in the background."""
 
-    def __init__(self, nproc: int, *args: str) -> None:
+    def __init__(self, nproc: int, *args: str, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
+        self.pids: dict[int, int] = {}  # the ranks seen by rank_pids(), killed by kill()
         self.output = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -49,17 +63,17 @@ class Run:
 
     def rank_pids(self) -> dict[int, int]:
         """rank -> pid of torchrun's worker processes."""
-        pids = {}
-        children = subprocess.run(["ps", "--ppid", str(self.proc.pid), "-o", "pid="], capture_output=True, text=True)
-        for pid in map(int, children.stdout.split()):
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for item in env:
-                if item.startswith(b"RANK="):
-                    pids[int(item[5:])] = pid
+        pids = rank_pids(self.proc.pid)
+        self.pids.update(pids)
         return pids
+
+    def wait_gone(self, pids: list[int], timeout: float) -> float:
+        """Seconds until none of ``pids`` is alive; fails after ``timeout``."""
+        t0 = time.monotonic()
+        while any(pid_alive(p) for p in pids):
+            assert time.monotonic() - t0 < timeout, f"still running after {timeout} s:\n{self.output[-3000:]}"
+            time.sleep(0.05)
+        return time.monotonic() - t0
 
     def wait(self, timeout: float) -> int:
         rc = self.proc.wait(timeout=timeout)
@@ -70,6 +84,10 @@ class Run:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        # torchrun starts every rank in a session of its own: a failed test must not leave one behind.
+        for pid in self.pids.values():
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def segments_of(pid: int) -> list[str]:
@@ -84,10 +102,13 @@ def long_job(tmp_path):
     prompts.write_text((json.dumps(line) + "\n") * 8)
     runs: list[Run] = []
 
-    def start() -> Run:
-        run = Run(2, "launch/generate.py", "--prompts-file", str(prompts), "--output", str(tmp_path / "out.jsonl"))
+    def start(config: Path | None = None, env: dict[str, str] | None = None) -> Run:
+        extra = ["--config", str(config)] if config is not None else []
+        run = Run(2, "launch/generate.py", "--prompts-file", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+                  *extra, env=env)
         runs.append(run)
         run.wait_for("generate:")
+        run.rank_pids()
         return run
 
     yield start
@@ -134,6 +155,76 @@ def test_sigterm_shuts_down_cleanly(long_job):
     assert "shutting down after the current step" in run.output
     assert not segments_of(pids[0])
     assert not any(pid_alive(p) for p in pids.values())
+
+
+def test_sigstop_worker_is_caught_by_its_heartbeat(long_job, tmp_path):
+    run = long_job(config_file(tmp_path, liveness_timeout_s=LIVENESS_S))
+    pids = run.rank_pids()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGSTOP)  # alive but not running: only its heartbeat can tell
+    rc = run.wait(timeout=LIVENESS_S + 30)
+    elapsed = time.monotonic() - t0
+    assert rc != 0
+    assert elapsed < LIVENESS_S + 5, f"took {elapsed:.1f} s:\n{run.output[-3000:]}"
+    line = rf"rank 1 \(pid {pids[1]}\) stopped responding: no heartbeat for \d+\.\d s"
+    assert re.search(r"\nerror: " + line, run.output), run.output[-3000:]  # the launcher's one-line error
+    run.wait_gone(list(pids.values()), 5)  # the stopped rank was killed, not left for torchrun's 30 s
+    assert not segments_of(pids[0]), "the run's shared-memory segment was left behind"
+
+
+def test_sigstop_coordinator_stops_the_workers(long_job, tmp_path):
+    run = long_job(config_file(tmp_path, liveness_timeout_s=LIVENESS_S))
+    pids = run.rank_pids()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    os.kill(pids[0], signal.SIGSTOP)
+    rc = run.wait(timeout=LIVENESS_S + 30)
+    elapsed = time.monotonic() - t0
+    assert rc != 0
+    assert elapsed < LIVENESS_S + 5, f"took {elapsed:.1f} s:\n{run.output[-3000:]}"
+    line = rf"rank 0 \(pid {pids[0]}\) stopped responding: no heartbeat for \d+\.\d s; rank 1 exits"
+    assert re.search(line, run.output), run.output[-3000:]
+    run.wait_gone(list(pids.values()), 5)
+    assert not segments_of(pids[0]), "the stopped coordinator's segment was not removed"
+
+
+def test_killed_torchrun_agent_leaves_no_orphan(long_job, tmp_path):
+    run = long_job(config_file(tmp_path, liveness_timeout_s=LIVENESS_S))
+    pids = run.rank_pids()
+    time.sleep(1.0)
+    os.kill(run.proc.pid, signal.SIGKILL)  # an OOM killer or `kill -9` of the job: the ranks get no signal
+    run.proc.wait()
+    elapsed = run.wait_gone(list(pids.values()), 10)
+    run._reader.join(5)  # the ranks held the output pipe: it ends when the last one exits
+    assert elapsed < 10
+    assert re.search(rf"rank \d \(pid \d+\) lost its launcher: the torchrun agent \(pid {run.proc.pid}\) is gone",
+                     run.output), run.output[-3000:]
+    assert not segments_of(pids[0]), "the orphaned coordinator did not remove its segment"
+
+
+def test_a_long_step_is_not_a_hung_rank_but_a_stuck_step_is_reported_with_stacks(long_job, tmp_path):
+    liveness_s, step_s = 3.0, 6.0
+    # Rank 1 sleeps 60 s inside step 5: its main thread stops, its heartbeat thread does not.
+    run = long_job(config_file(tmp_path, liveness_timeout_s=liveness_s, step_timeout_s=step_s),
+                   env={"RTP_TEST_STEP_DELAY": "1:5:60"})
+    pids = run.rank_pids()
+    t0 = time.monotonic()
+    rc = run.wait(timeout=step_s + 30)
+    assert rc != 0
+    assert time.monotonic() - t0 < step_s + 8, run.output[-3000:]
+    out = run.output
+    assert "stopped responding" not in out, out[-3000:]  # beyond liveness_timeout_s, yet not taken for hung
+    error = ("\nerror: step 5 did not finish within 6 s: rank 1 had not finished it "
+             "(rank 0 was waiting for it in a collective); Python stacks of ranks 0, 1 are in the log")
+    assert error in out, out[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} (pid {pids[rank]}): Python stacks follow" in out
+    # faulthandler's dump of rank 1's main thread shows where it is stuck: the test hook's sleep.
+    assert re.search(r'File "[^"]*rtp/runtime/fault_injection\.py", line \d+ in apply', out), out[-4000:]
+    assert out.count("most recent call first") >= 4  # every thread of both ranks (main, heartbeat, watchdog...)
+    run.wait_gone(list(pids.values()), 5)
+    assert not segments_of(pids[0])
 
 
 def test_two_runs_side_by_side(tmp_path):

@@ -18,8 +18,30 @@ from rtp.runtime.model_runner import ModelRunner
 BLOCK = 4
 
 
-def run_model(ps: ParallelState, model_dir: str, prompts: list[list[int]], steps: int) -> dict:
-    runner = ModelRunner(ps, model_dir, block_size=BLOCK, num_kv_blocks=512)
+def mixed_start(runner: ModelRunner, ps: ParallelState, n: int, logits, tokens: list[list[int]]):  # noqa: ANN001
+    """Prompt 0's last prefill chunk in the same step as the first decode of prompts 1..n-1.
+
+    Then one decode step of prompt 0 alone, so every prompt has two tokens. Returns the
+    final-token logits of the prompts in prompt order (rank 0).
+    """
+    first_ids = ps.broadcast_object([int(r.argmax()) for r in logits] if ps.rank == 0 else None)
+    rest = [CachedSeq(i, 1, [first_ids[i - 1]], []) for i in range(1, n)]
+    second = runner.execute(StepPlan(cached_seqs=[CachedSeq(0, 3, [], []), *rest]))  # rows: prompt 0, 1..n-1
+    tok0 = ps.broadcast_object(int(second[0].argmax()) if ps.rank == 0 else None)
+    third = runner.execute(StepPlan(cached_seqs=[CachedSeq(0, 1, [tok0], [])]))
+    if ps.rank != 0:
+        return None
+    tokens[0] += [tok0, int(third[0].argmax())]
+    for i in range(1, n):
+        tokens[i] += [first_ids[i - 1], int(second[i].argmax())]
+    return torch.cat([second[:1], logits])
+
+
+def run_model(
+    ps: ParallelState, model_dir: str, prompts: list[list[int]], steps: int, expert_parallel: bool = False,
+    mixed: bool = False,
+) -> dict:
+    runner = ModelRunner(ps, model_dir, block_size=BLOCK, num_kv_blocks=512, expert_parallel=expert_parallel)
     # Each sequence gets its own blocks, in reverse order so the block table is not the identity.
     tables, next_block = [], 511
     for p in prompts:
@@ -32,13 +54,17 @@ def run_model(ps: ParallelState, model_dir: str, prompts: list[list[int]], steps
         new_seqs=[NewSeq(i, p, tables[i], 0, len(p) - (3 if i == 0 else 0)) for i, p in enumerate(prompts)]
     )
     logits = runner.execute(first)
-    second = runner.execute(StepPlan(cached_seqs=[CachedSeq(0, 3, [], [])]))
     tokens = [[] for _ in prompts]
-    if ps.rank == 0:
-        last = torch.cat([second, logits])  # row order: prompt 0, then prompts 1..n
-        for i in range(len(prompts)):
-            tokens[i].append(int(last[i].argmax()))
-    for _ in range(steps - 1):
+    if mixed:
+        last, have = mixed_start(runner, ps, len(prompts), logits, tokens), 2
+    else:
+        second = runner.execute(StepPlan(cached_seqs=[CachedSeq(0, 3, [], [])]))
+        have = 1
+        if ps.rank == 0:
+            last = torch.cat([second, logits])  # row order: prompt 0, then prompts 1..n
+            for i in range(len(prompts)):
+                tokens[i].append(int(last[i].argmax()))
+    for _ in range(steps - have):
         next_ids = ps.broadcast_object([t[-1] for t in tokens] if ps.rank == 0 else None)
         out = runner.execute(StepPlan(cached_seqs=[CachedSeq(i, 1, [next_ids[i]], []) for i in range(len(prompts))]))
         if ps.rank == 0:
@@ -61,11 +87,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    ap.add_argument("--expert-parallel", action="store_true", help="MoE models: whole experts per rank")
+    ap.add_argument("--mixed", action="store_true",
+                    help="run a prefill chunk and decode rows in one step (a mixed batch)")
     ap.add_argument("models", nargs="+")
     args = ap.parse_args()
     ps = ParallelState.from_env("cpu")
     prompts = json.loads(args.prompts)
-    results = {m: run_model(ps, m, prompts, args.steps) for m in args.models}
+    results = {m: run_model(ps, m, prompts, args.steps, args.expert_parallel, args.mixed) for m in args.models}
     if ps.rank == 0:
         torch.save(results, args.out)
     ps.destroy()

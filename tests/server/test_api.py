@@ -50,6 +50,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.max_batch = 0
         self.fail_tokenize: Exception | None = None
+        self.tokenize_delay_s = 0.0  # a slow tokenizer (a huge prompt)
         self.refuse_at_step: str | None = None  # finish new requests at their first step with this error
         self._lock = threading.Lock()
         self._live: dict[str, RequestOutput] = {}
@@ -59,6 +60,7 @@ class FakeEngine:
     def tokenize(self, prompt):
         if self.fail_tokenize is not None:
             raise self.fail_tokenize
+        time.sleep(self.tokenize_delay_s)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
@@ -298,6 +300,21 @@ def test_engine_failure_ends_a_stream_with_an_error_event(tokenizer):
         assert events[-1] == "[DONE]"
         assert "rank 1" in events[-2]["error"]["message"] and events[-2]["error"]["type"] == "server_error"
         assert engine.added[-1][2] in engine.aborted  # the unfinished request was aborted
+
+
+def test_a_slow_tokenization_does_not_block_the_event_loop(served):
+    client, engine, _ = served
+    engine.tokenize_delay_s = 1.5
+    slow: dict = {}
+    t = threading.Thread(target=lambda: slow.update(r=client.post("/v1/completions",
+                                                                   json={"prompt": "a", "max_tokens": 2})))
+    t.start()
+    time.sleep(0.3)  # the request is being tokenized now
+    t0 = time.monotonic()
+    assert client.get("/health").status_code == 200
+    assert time.monotonic() - t0 < 0.5  # answered while the tokenizer works, not after it
+    t.join(30)
+    assert slow["r"].status_code == 200 and slow["r"].json()["usage"]["completion_tokens"] == 2
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -1,0 +1,218 @@
+"""Mixture-of-experts feed-forward: a torch path and a fused Triton path.
+
+Both compute, for tokens ``x [T, H]`` routed to ``top_k`` experts each,
+
+    out[t] = sum_j  w[t, j] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),   e = ids[t, j]
+
+from stacked expert weights ``w13 [E, 2 * I, H]`` (gate rows, then up rows) and
+``w2 [E, H, I]``. An expert id equal to ``E`` means "not held here" (expert
+parallelism: another rank owns it) and contributes nothing.
+
+The Triton path sorts the ``T * top_k`` (token, slot) pairs by expert and pads
+each expert's run to a multiple of the row block, so that every row block of
+the grouped GEMM belongs to one expert. Two kernels follow: gate/up with
+SiLU-and-mul into an intermediate buffer, then down with the routing weight
+applied; the ``top_k`` rows of each token are summed at the end. The alignment
+is pure tensor code (no host sync), so the path can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency, but keep import-safe
+    triton = None
+
+
+def fused_moe_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """Torch path: tokens grouped by expert; one Python iteration per expert that got tokens.
+
+    x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights/topk_ids: [T, k]. Returns [T, H].
+    """
+    num_experts, k = w13.shape[0], topk_ids.shape[1]
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.reshape(-1)  # [T*k]
+    # Stable sort: within one expert, pairs stay in token order (as HF's loop visits them).
+    order = torch.argsort(flat_ids, stable=True)  # [T*k] flat pair index, grouped by expert
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()  # one host sync
+    flat_w = topk_weights.reshape(-1)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]  # [n]
+        start += n
+        tokens = pairs // k  # [n]
+        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)  # [n, I] each
+        y = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
+        out.index_add_(0, tokens, y * flat_w[pairs, None].to(y.dtype))
+    return out
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``.
+
+    Returns ``sorted_pairs [L]`` (flat pair index ``t * k + j``, or ``T * k`` for padding),
+    ``block_experts [L // block_m]`` (the expert of each row block; ``num_experts`` for
+    blocks past the end) and ``num_padded [1]`` (rows in use). ``L`` is the worst case
+    ``T * k + E * (block_m - 1)`` rounded up to ``block_m``, so no host sync is needed.
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()  # [P], P = T*k; value num_experts = not held here
+    p = flat.numel()
+    length = -(-(p + num_experts * (block_m - 1)) // block_m) * block_m
+    # scatter_add, not bincount: bincount on CUDA reads the max id back to the host (no graph capture).
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts = counts.scatter_add_(0, flat, torch.ones_like(flat))[:num_experts]  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_end = torch.cumsum(padded, 0)  # [E]
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts  # [E] unpadded start of each expert in sorted order
+    order = torch.argsort(flat, stable=True)  # [P]
+    sorted_e = flat[order]  # [P]
+    held = sorted_e < num_experts
+    e_safe = sorted_e.clamp(max=num_experts - 1)
+    rank_in_expert = torch.arange(p, device=device) - start[e_safe]
+    # Pairs of experts not held here go to a dump slot past the end, then are cut off.
+    dest = torch.where(held, padded_start[e_safe] + rank_in_expert, torch.full_like(sorted_e, length))
+    sorted_pairs = torch.full((length + 1,), p, dtype=torch.int32, device=device)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_starts = torch.arange(0, length, block_m, device=device)  # [L / block_m]
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)  # E past the end
+    return sorted_pairs[:length], block_experts, padded_end[-1:].to(torch.int32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(
+        x_ptr, w13_ptr, h_ptr, pairs_ptr, block_experts_ptr,
+        num_pairs, hidden, inter, top_k, num_experts,
+        stride_xt, stride_we, stride_wn, stride_ht,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        # Program (m, n): rows m*BLOCK_M.. of the sorted pairs (one expert), columns n*BLOCK_N.. of I.
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+        if expert < num_experts:
+            pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+            row_ok = pairs < num_pairs
+            tokens = (pairs // top_k).to(tl.int64)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] into I
+            col_ok = cols < inter
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            w_base = w13_ptr + expert * stride_we
+            for k0 in range(0, hidden, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < hidden
+                a = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+                wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
+                             mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, BN] gate rows
+                wu = tl.load(w_base + (inter + cols[None, :]) * stride_wn + ks[:, None],
+                             mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, BN] up rows
+                if IEEE:
+                    acc_g += tl.dot(a, wg, input_precision="ieee")
+                    acc_u += tl.dot(a, wu, input_precision="ieee")
+                else:
+                    acc_g += tl.dot(a, wg)
+                    acc_u += tl.dot(a, wu)
+            h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(gate) * up, in fp32
+            tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_ht + cols[None, :],
+                     h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(
+        h_ptr, w2_ptr, y_ptr, pairs_ptr, block_experts_ptr, weights_ptr,
+        num_pairs, hidden, inter, num_experts,
+        stride_ht, stride_we, stride_wn, stride_yt,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        # Program (m, n): rows m*BLOCK_M.. of the sorted pairs, output columns n*BLOCK_N.. of H.
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+        if expert < num_experts:
+            pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
+            row_ok = pairs < num_pairs
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] into H
+            col_ok = cols < hidden
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            w_base = w2_ptr + expert * stride_we
+            for k0 in range(0, inter, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < inter
+                a = tl.load(h_ptr + pairs[:, None] * stride_ht + ks[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+                w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
+                            mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, BN]
+                if IEEE:
+                    acc += tl.dot(a, w, input_precision="ieee")
+                else:
+                    acc += tl.dot(a, w)
+            # The routing weight is applied in the dtype of the activations, as the torch path does.
+            route_w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)  # [BM]
+            y = acc.to(y_ptr.dtype.element_ty) * route_w[:, None].to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + pairs[:, None] * stride_yt + cols[None, :], y,
+                     mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _block_sizes(num_pairs: int, hidden: int, inter: int) -> tuple[int, int, int]:
+    # tl.dot needs every block dimension >= 16. Small batches (decode) waste less on padding
+    # with 16-row blocks; large prefills reuse each expert's weight tile over more rows.
+    block_m = 16 if num_pairs <= 1024 else 64
+    block_n = 64 if max(hidden, inter) >= 64 else 32
+    return block_m, block_n, 64 if min(hidden, inter) >= 64 else 32
+
+
+def fused_moe_triton(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """Triton version of :func:`fused_moe_reference` (GPU, or CPU under TRITON_INTERPRET=1)."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter, k = two_inter // 2, topk_ids.shape[1]
+    if w2.shape != (num_experts, hidden, inter):
+        raise ValueError(f"w2 has shape {list(w2.shape)}, expected {[num_experts, hidden, inter]}")
+    if x.stride(-1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("fused_moe_triton needs rows of x contiguous and contiguous expert weights")
+    num_pairs = num_tokens * k
+    block_m, block_n, block_k = _block_sizes(num_pairs, hidden, inter)
+    sorted_pairs, block_experts, _ = align_by_expert(topk_ids, num_experts, block_m)
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T*k, H], one row per pair
+    weights = topk_weights.reshape(-1).contiguous()  # [T*k]
+    ieee = x.dtype == torch.float32  # fp32 models get fp32 products, not TF32
+    num_blocks = block_experts.numel()
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, w13, h, sorted_pairs, block_experts,
+        num_pairs, hidden, inter, k, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+    )
+    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        h, w2, y, sorted_pairs, block_experts, weights,
+        num_pairs, hidden, inter, num_experts,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+    )
+    # Pairs of experts not held here were never written: zero them before the sum over slots.
+    y.masked_fill_((topk_ids.reshape(-1) >= num_experts)[:, None], 0)
+    return y.view(num_tokens, k, hidden).sum(dim=1)  # [T, H]
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """Mixture-of-experts FFN: the fused Triton kernels on CUDA, the grouped torch path elsewhere."""
+    if x.is_cuda and triton is not None:
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,32 @@
+"""The test-only step delay hook: off unless its variable is set, strict about its format."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rtp.errors import ConfigError
+from rtp.runtime.fault_injection import ENV_VAR, StepDelay
+
+
+def test_off_by_default_and_parsed_when_set():
+    assert StepDelay.from_env({}) is None
+    assert StepDelay.from_env({ENV_VAR: " "}) is None
+    assert StepDelay.from_env({ENV_VAR: "1:5:2.5"}) == StepDelay(rank=1, step=5, seconds=2.5)
+
+
+@pytest.mark.parametrize("text", ["1:5", "a:5:1", "1:0:1", "-1:5:1", "1:5:-2", "1:5:nan", "1:5:1:9"])
+def test_a_malformed_value_names_the_variable(text):
+    with pytest.raises(ConfigError, match=rf"^{ENV_VAR}=.* is invalid: expected RANK:STEP:SECONDS"):
+        StepDelay.from_env({ENV_VAR: text})
+
+
+def test_only_the_chosen_rank_and_step_sleep():
+    delay = StepDelay(rank=1, step=3, seconds=0.3)
+    t0 = time.monotonic()
+    delay.apply(0, 3)
+    delay.apply(1, 2)
+    assert time.monotonic() - t0 < 0.1
+    delay.apply(1, 3)
+    assert time.monotonic() - t0 >= 0.3
