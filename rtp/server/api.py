@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
+``/openapi.json`` documents every route: the request bodies are the
+validating models of rtp.server.protocol, the responses and errors those of
+rtp.server.schemas.
+
 Every error reaches the client as OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input, 401
 for a missing or wrong API key, 404 for an unknown model or route, 413 for a
@@ -37,8 +41,26 @@ from rtp.log import get_logger
 from rtp.outputs import RequestOutput
 from rtp.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerShuttingDownError
 from rtp.server.metrics import ServerMetrics
-from rtp.server.protocol import ApiError, ChatCompletionRequest, CommonRequest, CompletionRequest, resolve_max_tokens
+from rtp.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CommonRequest,
+    CompletionRequest,
+    resolve_max_tokens,
+    unsupported_hint,
+)
 from rtp.server.responses import ResponseBuilder
+from rtp.server.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    error_responses,
+    install_openapi,
+    sse_response,
+)
 
 logger = get_logger(__name__)
 
@@ -180,6 +202,10 @@ class _Api:
             return model.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
+            unsupported = unsupported_hint(model, tuple(err["loc"]))
+            if unsupported is not None:  # a feature rtp does not implement: say what it supports instead
+                name, hint = unsupported
+                raise ApiError(400, f"{name}={data[name]!r} is not supported: only {hint}", name) from None
             param = _param_of(err["loc"])
             raise ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param or None) from None
 
@@ -348,12 +374,32 @@ def build_app(async_engine: AsyncEngine, config: RtpConfig, model_name: str) -> 
     app = FastAPI(title="rtp", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.api = api
     auth = [Depends(api.auth)]
-    app.add_api_route("/v1/completions", _guard(api.completions), methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/chat/completions", _guard(api.chat_completions), methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/models", _guard(api.models), methods=["GET"], dependencies=auth)
-    app.add_api_route("/v1/models/{model_id:path}", _guard(api.model), methods=["GET"], dependencies=auth)
-    app.add_api_route("/metrics", _guard(api.prometheus), methods=["GET"], dependencies=auth)
-    app.add_api_route("/health", api.health, methods=["GET"])
+    # Documentation only: the handlers return Response objects (or plain dicts for the model routes),
+    # so FastAPI does not re-validate them; tests check real bodies against these models.
+    generation_errors = error_responses(400, 401, 404, 413, 500, 503)
+    app.add_api_route("/v1/completions", _guard(api.completions), methods=["POST"], dependencies=auth,
+                      summary="Create a completion",
+                      responses={200: {"model": CompletionResponse}, **generation_errors},
+                      openapi_extra=sse_response(CompletionResponse))
+    app.add_api_route("/v1/chat/completions", _guard(api.chat_completions), methods=["POST"], dependencies=auth,
+                      summary="Create a chat completion",
+                      responses={200: {"model": ChatCompletionResponse}, **generation_errors},
+                      openapi_extra=sse_response(ChatCompletionChunk))
+    app.add_api_route("/v1/models", _guard(api.models), methods=["GET"], dependencies=auth, summary="List models",
+                      response_model=None,
+                      responses={200: {"model": ModelList}, **error_responses(401, 500)})
+    app.add_api_route("/v1/models/{model_id:path}", _guard(api.model), methods=["GET"], dependencies=auth,
+                      response_model=None, summary="Describe a model",
+                      responses={200: {"model": ModelCard}, **error_responses(401, 404, 500)})
+    app.add_api_route("/metrics", _guard(api.prometheus), methods=["GET"], dependencies=auth,
+                      summary="Prometheus metrics", response_class=Response,
+                      responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                       "description": "Prometheus text format"}, **error_responses(401, 500)})
+    app.add_api_route("/health", api.health, methods=["GET"], summary="Liveness of the engine",
+                      responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse,
+                                                                        "description": "the engine is not serving"}})
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
+                    stream_chunks=(ChatCompletionChunk,))
 
     def error_response(e: ApiError) -> JSONResponse:
         api.metrics.observe_error(e.status)
@@ -370,7 +416,14 @@ def build_app(async_engine: AsyncEngine, config: RtpConfig, model_name: str) -> 
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(ApiError(e.status_code, str(e.detail)))
+        message, headers = str(e.detail), dict(e.headers or {})
+        if e.status_code == 404:
+            message = f"there is no route {request.url.path!r}: /openapi.json lists the routes"
+        elif e.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path!r}: use {headers.get('Allow')}"
+        response = error_response(ApiError(e.status_code, message))
+        response.headers.update(headers)  # e.g. the Allow header of a 405 (RFC 9110)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
