@@ -124,8 +124,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto tables = block_tables.to(torch::kInt32).contiguous();
   auto lens = context_lens.to(torch::kInt32).contiguous();
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode",
-                                  [&] { decode_impl<scalar_t>(q, k_cache, v_cache, tables, lens, out, scale); });
+  {
+    // No Python object is touched below: let other threads (the heartbeat) run meanwhile.
+    pybind11::gil_scoped_release no_gil;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode",
+                                    [&] { decode_impl<scalar_t>(q, k_cache, v_cache, tables, lens, out, scale); });
+  }
   return out;
 }
 """
