@@ -28,11 +28,11 @@ rank, so no two ranks ever write the same line::
 
 Each slot is written by its own rank only; the header by rank 0 only. Every
 word is one aligned 8-byte store or load, so a reader never sees it torn.
-Slots are indexed by global rank: ranks on another node have a slot too,
-written not by themselves but by whatever carries their heartbeat across
-nodes (a relay that copies their ``beats`` over torch.distributed and stamps
-``beat_ns`` with this node's clock when the count changes), so the watchdog
-reads one region whatever the topology.
+Slots are indexed by global rank, so that multi-node support (not built yet:
+today all ranks must share a node) can give ranks on another node a slot too,
+written by a relay that copies their ``beats`` over torch.distributed and
+stamps ``beat_ns`` with this node's clock when the count changes; the
+watchdog would then read one region whatever the topology.
 
 Lifetime: the region is shared through :func:`rtp.dist.node_segment.share_segment`,
 which unlinks its name before the run starts, so it can never leak.

@@ -23,6 +23,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,6 +31,8 @@ import torch
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
+
+_STALE_LOCK_S = 600.0
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -159,9 +162,11 @@ def load():  # noqa: ANN201 - the compiled module, or None
             # activation does not put on PATH; torch's loader looks for it there.
             os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
         digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:10]
+        name = f"rtp_cpu_attention_{digest}_{_cpu_tag()}"
+        _remove_stale_build_lock(name)
         logger.info("loading the CPU paged-attention kernel (built on first use, about a minute)")
         return load_inline(
-            name=f"rtp_cpu_attention_{digest}_{_cpu_tag()}",
+            name=name,
             cpp_sources=[_SOURCE],
             functions=["paged_decode"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -172,6 +177,20 @@ def load():  # noqa: ANN201 - the compiled module, or None
         logger.warning("CPU paged-attention kernel unavailable (%s); using the slower torch path",
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
+
+
+def _remove_stale_build_lock(name: str) -> None:
+    """Remove a build lock left by a killed build: torch's loader would wait on it forever."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_S:  # a real build takes about a minute
+        logger.warning("removing the build lock %s, %.0f s old (a build was killed)", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def paged_decode_attention_cpu(

@@ -39,12 +39,13 @@ def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """True where torch's oneDNN linear with a pre-packed weight can run: CPU, fp32 or bf16."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:  # oneDNN's bf16 path needs CPU support (AVX-512 BF16 / AMX)
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,7 @@ class Runtime:
             found = self.watchdog.wait_for_lost(timeout_s=3.0)
             self.failed = f"{type(e).__name__}: {e}"
             if found is None:
+                self.heartbeat.finish_step()  # the step is over (failed): not a stuck step later
                 raise
             failure = self.watchdog.report(found)  # the first failure wins, whoever saw it
             self.engine.fail_all(failure.message)
@@ -243,8 +244,10 @@ class Runtime:
             if self.engine is not None:
                 self.engine.runner.close()
             self.ps.destroy(barrier=healthy)
-            # Last: the workers watch this heartbeat until they have read SHUTDOWN.
-            self.heartbeat.stop()
+            # Last: the workers watch this heartbeat until they have read SHUTDOWN. Without a clean
+            # SHUTDOWN it beats on until the process exits, so no worker takes this rank for a hung one.
+            if healthy:
+                self.heartbeat.stop()
             if self.watchdog.failure is not None:
                 # A hung peer cannot exit on its own. Killed only now, because torchrun answers a
                 # rank's death by signalling the others, which would cut this cleanup short.
@@ -313,8 +316,12 @@ def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int
            watchdog: Watchdog, step_delay: StepDelay | None) -> Runtime:
     if ps.world_size > 1 and ps.device.type == "cpu" and shm_allreduce.supported():
         # Layers' all-reduces and the logits gather go through shared memory instead of gloo.
+        # Lost peers fail a collective through the heartbeat and should_abort; the last-resort timeout
+        # comes after the stuck-step bound, so a slow step is reported as stuck, with stacks.
+        last_resort = (config.step_timeout_s + config.liveness_timeout_s if config.step_timeout_s
+                       else max(config.liveness_timeout_s, 60.0))
         ps.node_reduce = shm_allreduce.create_and_attach(
-            ps, pids, max(config.liveness_timeout_s, 60.0), heartbeat=heartbeat, should_abort=watchdog.abort_reason
+            ps, pids, last_resort, heartbeat=heartbeat, should_abort=watchdog.abort_reason
         )
     runner = ModelRunner(
         ps, model_dir, dtype=config.dtype, block_size=config.block_size, max_model_len=config.max_model_len,

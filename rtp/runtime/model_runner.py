@@ -93,7 +93,7 @@ class ModelRunner:
         self.ps = ps
         self.max_num_seqs = max_num_seqs
         self.dtype = resolve_dtype(dtype, ps.device)
-        self.attn_backend = choose_attn_backend(ps.device, self.dtype)  # "flash", "triton" or "torch"
+        self.attn_backend = choose_attn_backend(ps.device, self.dtype)  # "flash", "triton", "cpu" or "torch"
         block_size = block_size or (256 if self.attn_backend == "flash" else 16)
         if self.attn_backend == "flash" and block_size % 256:
             raise ConfigError(f"block_size={block_size} is invalid with flash-attn: paged KV needs a multiple of 256")

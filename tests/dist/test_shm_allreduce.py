@@ -31,7 +31,8 @@ def test_a_hung_peer_is_an_error_within_the_liveness_timeout() -> None:
     m = re.search(r"rank 0 after ([\d.]+) s: rank 1 \(pid \d+\) stopped responding: no heartbeat for [\d.]+ s",
                   out.stdout)
     assert m, out.stdout + out.stderr[-3000:]
-    assert 2.0 <= float(m.group(1)) < 2.0 + 1.5  # HUNG_TIMEOUT_S, not the 20 s collective timeout
+    # HUNG_TIMEOUT_S, not the 20 s collective timeout; the last beat may predate the stop by an interval or two.
+    assert 1.7 <= float(m.group(1)) < 2.0 + 1.5
     assert out.returncode != 0
 
 

@@ -65,3 +65,20 @@ def test_cpu_backend_layer_matches_torch_backend_on_mixed_steps() -> None:
         got, want = (layers[b](q, k, v, meta) for b in ("cpu", "torch"))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(layers["cpu"].k_cache, layers["torch"].k_cache)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch) -> None:
+    # torch's loader waits forever on a lock left by a killed build; a live build's lock is young.
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "rtp_test_ext" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    cpu_attention._remove_stale_build_lock("rtp_test_ext")
+    assert lock.exists()
+    old = time.time() - 2 * cpu_attention._STALE_LOCK_S
+    os.utime(lock, (old, old))
+    cpu_attention._remove_stale_build_lock("rtp_test_ext")
+    assert not lock.exists()
