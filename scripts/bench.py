@@ -174,11 +174,13 @@ def machine_line(threads: int, device: str) -> tuple[str, float, float]:
     if device == "cuda":
         return f"GPU {torch.cuda.get_device_name()}", 0.0, 0.0
     torch.set_num_threads(threads)
+    from rtp.model.linear import onednn_packing_supported, pack_weight, packed_linear
+
     x, w = torch.randn(256, 1024), torch.randn(1024, 1024)
-    try:
-        pw = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        fn = lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")  # noqa: E731
-    except (RuntimeError, AttributeError):
+    if onednn_packing_supported(torch.device("cpu"), torch.float32):  # the matmul rtp's CPU linears run
+        pw = pack_weight(w)
+        fn = lambda: packed_linear(x, pw)  # noqa: E731
+    else:
         fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
     for _ in range(5):
         fn()

@@ -12,33 +12,11 @@ which :func:`rtp.dist.shm_channel.cleanup_stale_segments` reaps.)
 from __future__ import annotations
 
 import mmap
-import os
 
 import _posixshmem
 
-from rtp.dist.shm_channel import make_channel_name
+from rtp.dist.shm_channel import make_channel_name, map_segment
 from rtp.errors import RtpError
-
-
-def map_segment(name: str, size: int, create: bool, what: str) -> mmap.mmap:
-    """Map segment ``name`` of ``size`` bytes, creating it (exclusively, zero-filled) if ``create``."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
-    try:
-        if create:
-            os.ftruncate(fd, size)
-            try:  # reserve the pages now: a full /dev/shm must fail here, not SIGBUS later
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                raise RtpError(f"cannot reserve {size} bytes of shared memory for the {what} "
-                               f"({e.strerror}); enlarge /dev/shm") from None
-        return mmap.mmap(fd, size)
-    except BaseException:
-        if create:  # nobody else knows the name yet: remove it with the failure
-            _posixshmem.shm_unlink("/" + name)
-        raise
-    finally:
-        os.close(fd)
 
 
 def share_segment(ps, size: int, what: str) -> mmap.mmap:  # noqa: ANN001 - a ParallelState (import cycle)
@@ -51,7 +29,7 @@ def share_segment(ps, size: int, what: str) -> mmap.mmap:  # noqa: ANN001 - a Pa
     if ps.rank == 0:
         name = make_channel_name()
         try:
-            mm = map_segment(name, size, create=True, what=what)
+            mm = map_segment(name, size, create=True, what=f"the {what}")
         except BaseException:
             ps.broadcast_object("")  # the other ranks wait for the name: tell them to give up
             raise
@@ -59,7 +37,7 @@ def share_segment(ps, size: int, what: str) -> mmap.mmap:  # noqa: ANN001 - a Pa
     if not name:
         raise RtpError(f"rank 0 could not create the {what} segment")
     if ps.rank != 0:
-        mm = map_segment(name, size, create=False, what=what)
+        mm = map_segment(name, size, create=False, what=f"the {what}")
     try:
         ps.barrier()  # every rank has mapped it
     finally:

@@ -178,22 +178,9 @@ class ShmChannel:
         _check_int(f"chunk_bytes (the {_PIECE.size}-byte piece header plus at least 1 payload byte)",
                    chunk_bytes, _PIECE.size + 1)
         layout = _Layout(num_readers, chunk_bytes, num_chunks)
-        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        try:
-            os.ftruncate(fd, layout.total)  # zero-filled: every counter starts at 0
-            try:  # reserve the pages now: a full /dev/shm must fail here, not SIGBUS on a later write
-                os.posix_fallocate(fd, 0, layout.total)
-            except OSError as e:
-                raise RtpError(
-                    f"cannot reserve {layout.total} bytes of shared memory for channel {name!r} ({e.strerror}); "
-                    "lower shm_chunk_bytes / shm_num_chunks or enlarge /dev/shm"
-                ) from None
-            mm = mmap.mmap(fd, layout.total)
-        except BaseException:
-            _posixshmem.shm_unlink("/" + name)
-            raise
-        finally:
-            os.close(fd)
+        # Zero-filled: every counter starts at 0.
+        mm = map_segment(name, layout.total, create=True, what=f"channel {name!r}",
+                         remedy="lower shm_chunk_bytes / shm_num_chunks or enlarge /dev/shm")
         _HEADER.pack_into(mm, 0, _MAGIC, _VERSION, num_readers, chunk_bytes, num_chunks, os.getpid(), 0, 0)
         chan = cls(name, mm, layout, None)
         chan._q[_READY_SLOT] = 1  # last: attach() only trusts the header once this is set
@@ -411,6 +398,31 @@ class ShmChannel:
         role = "writer" if self.reader_index is None else f"reader {self.reader_index}"
         lay = self._layout
         return f"ShmChannel({self.name!r}, {role}, {lay.num_readers} readers, {lay.num_chunks} x {lay.chunk_bytes} B)"
+
+
+def map_segment(name: str, size: int, create: bool, what: str, remedy: str = "enlarge /dev/shm") -> mmap.mmap:
+    """Map segment ``name`` of ``size`` bytes, creating it (exclusively, zero-filled) if ``create``.
+
+    A segment this call created is unlinked again if mapping it fails (nobody
+    else knows its name yet). ``what`` and ``remedy`` word the error of a full /dev/shm.
+    """
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+            try:  # reserve the pages now: a full /dev/shm must fail here, not SIGBUS on a later write
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise RtpError(f"cannot reserve {size} bytes of shared memory for {what} ({e.strerror}); {remedy}"
+                               ) from None
+        return mmap.mmap(fd, size)
+    except BaseException:
+        if create:
+            _posixshmem.shm_unlink("/" + name)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _try_map(name: str) -> mmap.mmap | None:

@@ -18,7 +18,7 @@ import pytest
 
 from rtp.dist.heartbeat import Heartbeat
 from rtp.dist.liveness import Failure, Watchdog, kill_hung, pid_alive
-from rtp.dist.node_segment import map_segment
+from rtp.dist.shm_channel import map_segment
 from rtp.dist.shm_channel import make_channel_name
 from tests.utils import REPO
 
@@ -30,7 +30,7 @@ INTERVAL_S = 0.05  # heartbeat interval
 PEER = """
 import sys, time
 from rtp.dist.heartbeat import Heartbeat
-from rtp.dist.node_segment import map_segment
+from rtp.dist.shm_channel import map_segment
 name, mode = sys.argv[1], sys.argv[2]
 hb = Heartbeat(map_segment(name, Heartbeat.region_bytes(2), create=False, what="test"), 1, 2, {interval}, {timeout})
 hb.start()

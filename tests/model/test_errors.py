@@ -44,7 +44,8 @@ def test_unsplittable_shapes_name_the_numbers(tmp_path, spec, tp, words):
         assert w in str(e.value), str(e.value)
 
 
-def _rewrite(src, dst, edit):
+def rewrite_checkpoint(src, dst, edit):  # noqa: ANN001, ANN201
+    """A copy of checkpoint folder ``src`` in ``dst`` whose tensors went through ``edit(dict)``."""
     dst.mkdir()
     for f in src.iterdir():
         if f.suffix != ".safetensors":
@@ -56,13 +57,14 @@ def _rewrite(src, dst, edit):
 
 
 def test_missing_tensor_is_named(tiny, tmp_path):
-    path = _rewrite(tiny, tmp_path / "m", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    path = rewrite_checkpoint(tiny, tmp_path / "m", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         load_model(path, ParallelState.single(), torch.float32)
 
 
 def test_unexpected_tensor_is_named(tiny, tmp_path):
-    path = _rewrite(tiny, tmp_path / "m", lambda t: t.__setitem__("model.layers.0.extra.weight", torch.zeros(2)))
+    path = rewrite_checkpoint(tiny, tmp_path / "m",
+                              lambda t: t.__setitem__("model.layers.0.extra.weight", torch.zeros(2)))
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.extra\.weight'"):
         load_model(path, ParallelState.single(), torch.float32)
 
@@ -71,7 +73,7 @@ def test_wrong_shape_is_named(tiny, tmp_path):
     def shrink(t):
         t["model.norm.weight"] = t["model.norm.weight"][:-1].clone()
 
-    path = _rewrite(tiny, tmp_path / "m", shrink)
+    path = rewrite_checkpoint(tiny, tmp_path / "m", shrink)
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*shape"):
         load_model(path, ParallelState.single(), torch.float32)
 
@@ -86,7 +88,7 @@ def test_missing_shard_file_is_reported(tmp_path):
 
 
 def test_other_architectures_are_refused(tiny, tmp_path):
-    path = _rewrite(tiny, tmp_path / "m", lambda t: None)
+    path = rewrite_checkpoint(tiny, tmp_path / "m", lambda t: None)
     cfg = json.loads((path / "config.json").read_text())
     cfg["model_type"] = "llama"
     (path / "config.json").write_text(json.dumps(cfg))

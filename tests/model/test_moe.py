@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rtp.dist.parallel import ParallelState
@@ -16,7 +15,7 @@ from rtp.model.moe import MoERouter, SparseMoeBlock
 from rtp.model.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSpec
 from rtp.runtime.model_runner import load_model
 from rtp.testing import TinyQwen3MoeSpec, make_tiny_qwen3
-from tests.model.test_errors import fake_world
+from tests.model.test_errors import fake_world, rewrite_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +67,6 @@ def test_dense_intermediate_size_is_not_checked_without_dense_layers(tmp_path):
     spec.check_tp(8)
 
 
-def _rewrite(src, dst, edit):
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(src / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(dst / "model.safetensors"))
-    return dst
-
-
 @pytest.mark.parametrize(
     "edit, pattern",
     [
@@ -95,7 +83,7 @@ def _rewrite(src, dst, edit):
     ids=["missing-expert", "unexpected-expert", "wrong-shape-expert", "missing-router", "expert-in-dense-layer"],
 )
 def test_broken_moe_checkpoints_name_the_tensor(tiny_moe, tmp_path, edit, pattern):
-    path = _rewrite(tiny_moe, tmp_path / "m", edit)
+    path = rewrite_checkpoint(tiny_moe, tmp_path / "m", edit)
     with pytest.raises(CheckpointError, match=pattern):
         load_model(path, ParallelState.single(), torch.float32)
 
