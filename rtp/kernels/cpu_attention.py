@@ -11,7 +11,7 @@ in fp32 accumulation, for fp32/bf16/fp16 caches.
 
 The source is compiled on first use with ``torch.utils.cpp_extension.load_inline``
 (about 30-60 s, cached under ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``,
-keyed by the source and this CPU). Without a C++ compiler, or if the build
+keyed by the source, the torch build and this CPU). Without a C++ compiler, or if the build
 fails, :func:`load` returns None and the runtime keeps the torch path.
 """
 
@@ -161,7 +161,9 @@ def load():  # noqa: ANN201 - the compiled module, or None
             # The `ninja` dependency lives next to this interpreter, which a venv run without
             # activation does not put on PATH; torch's loader looks for it there.
             os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-        digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:10]
+        # Keyed by the source and the torch build it links against, so two venvs never rebuild each other's copy.
+        key = f"{_SOURCE}|{torch.__version__}|{Path(torch.__file__).parent}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
         name = f"rtp_cpu_attention_{digest}_{_cpu_tag()}"
         _remove_stale_build_lock(name)
         logger.info("loading the CPU paged-attention kernel (built on first use, about a minute)")
