@@ -258,13 +258,27 @@ def read_stream(url: str, body: dict, result: dict) -> None:
         result["error"] = repr(e)
 
 
-@pytest.mark.timeout(120)
-def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(server):
+@pytest.mark.timeout(180)
+def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(servers):
+    # A server of its own with a long context: 8000 tokens take several times the grace even on a fast
+    # decode path (the tiny model's 2048 positions allowed only ~4 s, about the grace itself).
+    config = servers["tmp"] / "long.yaml"
+    config.write_text((servers["tmp"] / "cpu.yaml").read_text().replace("max_num_seqs: 64", "max_num_seqs: 64\n"
+                      "max_model_len: 8192") + "  max_tokens_limit: 8192\n")
+    server = launch(servers["tmp"], "grace", config)
+    try:
+        wait_ready(server)
+        _sigterm_during_a_short_and_a_long_request(server)
+    finally:
+        kill(server)
+
+
+def _sigterm_during_a_short_and_a_long_request(server: Server) -> None:
     short, long_ = {}, {}
     threads = [
         threading.Thread(target=read_stream, args=(server.url, {"prompt": "a", "max_tokens": 40, "ignore_eos": True,
                                                                 "stream": True}, short)),
-        threading.Thread(target=read_stream, args=(server.url, {"prompt": "b", "max_tokens": 1900,
+        threading.Thread(target=read_stream, args=(server.url, {"prompt": "b", "max_tokens": 8000,
                                                                 "ignore_eos": True, "stream": True}, long_)),
     ]
     for t in threads:
