@@ -28,7 +28,7 @@ import time
 import torch.distributed as dist
 
 from rtp.core.step import CachedSeq, StepPlan, decode, encode
-from rtp.dist.shm_channel import ShmChannel, make_channel_name
+from rtp.distributed.shm_channel import ShmChannel, make_channel_name
 
 VOCAB = 151_936  # Qwen3 vocabulary size
 NUM_BLOCKS = 4096

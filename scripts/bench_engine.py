@@ -52,7 +52,7 @@ import torch
 
 from rtp.config import RtpConfig
 from rtp.core.step import StepPlan, decode, encode
-from rtp.dist.shm_channel import ShmChannel, make_channel_name
+from rtp.distributed.shm_channel import ShmChannel, make_channel_name
 from rtp.runtime.batch import BatchMirror
 from rtp.runtime.detokenizer import IncrementalDetokenizer
 from rtp.runtime.engine import Engine

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rtp.dist.parallel import ParallelState
+from rtp.distributed.parallel import ParallelState
 from rtp.kernels.fused_moe import fused_moe
 from rtp.model.linear import PackableLinear, _copy, divide
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rtp.dist.parallel import ParallelState
+from rtp.distributed.parallel import ParallelState
 from rtp.errors import ModelShapeError
 from rtp.model.attention import AttnMetadata, PagedAttention
 from rtp.model.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from rtp.dist.parallel import ParallelState
+from rtp.distributed.parallel import ParallelState
 from rtp.errors import ModelShapeError
 from rtp.model.linear import divide
 from rtp.model.moe import SparseMoeBlock

@@ -3,7 +3,7 @@
 Rank 0 runs schedule -> channel.write(encode(plan)) -> execute -> sample ->
 postprocess (see Engine). Ranks > 0 run read -> decode -> execute (see
 worker.py). Every rank beats a heartbeat and runs a watchdog from the start
-(:mod:`rtp.dist.liveness`): a dead or hung peer, a lost launcher or (rank 0) a
+(:mod:`rtp.distributed.liveness`): a dead or hung peer, a lost launcher or (rank 0) a
 stuck step becomes one logged error line and a prompt non-zero exit instead of
 a hang in a collective. The shm segment is unlinked on every exit path
 (normal, exception, SIGTERM/SIGINT, any liveness failure).
@@ -26,11 +26,11 @@ from tqdm import tqdm
 
 from rtp.config import RtpConfig, resolve_tp_size
 from rtp.core.step import StepKind, StepPlan, encode
-from rtp.dist import shm_allreduce
-from rtp.dist.heartbeat import Heartbeat, interval_for
-from rtp.dist.liveness import Failure, Watchdog, kill_hung
-from rtp.dist.parallel import ParallelState
-from rtp.dist.shm_channel import ShmChannel, cleanup_stale_segments, make_channel_name
+from rtp.distributed import shm_allreduce
+from rtp.distributed.heartbeat import Heartbeat, interval_for
+from rtp.distributed.liveness import Failure, Watchdog, kill_hung
+from rtp.distributed.parallel import ParallelState
+from rtp.distributed.shm_channel import ShmChannel, cleanup_stale_segments, make_channel_name
 from rtp.errors import RequestError, RtpError, StepTimeoutError, WorkerDiedError
 from rtp.log import get_logger, setup_logging
 from rtp.outputs import RequestOutput, snapshot

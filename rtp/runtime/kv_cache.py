@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rtp.dist.parallel import ParallelState
+from rtp.distributed.parallel import ParallelState
 from rtp.log import get_logger
 from rtp.model.attention import PagedAttention
 

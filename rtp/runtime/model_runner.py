@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig
 
 from rtp.core.step import StepPlan
-from rtp.dist.parallel import ParallelState
+from rtp.distributed.parallel import ParallelState
 from rtp.errors import ConfigError
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend

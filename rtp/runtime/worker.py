@@ -7,11 +7,11 @@ import signal
 import time
 
 from rtp.core.step import StepKind, decode
-from rtp.dist.heartbeat import Heartbeat
-from rtp.dist.liveness import Failure, Watchdog, kill_hung
-from rtp.dist.parallel import ParallelState
-from rtp.dist.pids import pid_alive
-from rtp.dist.shm_channel import ShmChannel, cleanup_stale_segments, remove_segment
+from rtp.distributed.heartbeat import Heartbeat
+from rtp.distributed.liveness import Failure, Watchdog, kill_hung
+from rtp.distributed.parallel import ParallelState
+from rtp.distributed.pids import pid_alive
+from rtp.distributed.shm_channel import ShmChannel, cleanup_stale_segments, remove_segment
 from rtp.log import get_logger
 from rtp.runtime.fault_injection import StepDelay
 from rtp.runtime.model_runner import ModelRunner

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rtp.dist.liveness import pid_alive
+from rtp.distributed.liveness import pid_alive
 from tests.utils import REPO, rank_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

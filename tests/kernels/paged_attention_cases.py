@@ -165,7 +165,7 @@ def runner_logits(model_dir: Path, backend: str, eager: bool, device: torch.devi
     """Logits ``[steps, 2, vocab]`` of a ModelRunner pinned to one attention backend: two prompts (35 and 20
     tokens, 3 and 2 blocks of 16), then decode steps fed fixed tokens (so every backend sees the same inputs)."""
     from rtp.core.step import CachedSeq, NewSeq, StepPlan
-    from rtp.dist.parallel import ParallelState
+    from rtp.distributed.parallel import ParallelState
     from rtp.runtime.model_runner import ModelRunner
 
     # The runner would pick flash-attn where installed, and never Triton on CPU: pin the backend under test.

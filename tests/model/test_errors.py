@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rtp.dist.parallel import ParallelState
+from rtp.distributed.parallel import ParallelState
 from rtp.errors import CheckpointError, ModelShapeError
 from rtp.runtime.model_runner import load_model
 from rtp.testing import TinyQwen3Spec, make_tiny_qwen3

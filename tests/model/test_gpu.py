@@ -39,7 +39,7 @@ def test_flash_attention_matches_torch_path(q_lens, k_lens):
 @pytest.mark.skipif(not flash_attn_available(), reason="flash-attn is not installed")
 def test_cuda_graph_decode_matches_eager(tmp_path):
     from rtp.core.step import CachedSeq, NewSeq, StepPlan
-    from rtp.dist.parallel import ParallelState
+    from rtp.distributed.parallel import ParallelState
     from rtp.runtime.model_runner import ModelRunner
     from rtp.testing import TinyQwen3Spec, make_tiny_qwen3
 

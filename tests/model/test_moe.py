@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rtp.dist.parallel import ParallelState
+from rtp.distributed.parallel import ParallelState
 from rtp.errors import CheckpointError, ModelShapeError
 from rtp.model.moe import MoERouter, SparseMoeBlock
 from rtp.model.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSpec

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from rtp.core.step import CachedSeq, NewSeq, StepPlan
-from rtp.dist.parallel import ParallelState
+from rtp.distributed.parallel import ParallelState
 from rtp.runtime.model_runner import ModelRunner
 
 BLOCK = 4

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from rtp.dist.liveness import pid_alive
+from rtp.distributed.liveness import pid_alive
 from tests.server.test_serve_e2e import kill, launch, read_stream, shm_segments, wait_ready
 from tests.utils import rank_pids
 

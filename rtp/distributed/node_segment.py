@@ -6,16 +6,15 @@ tells the others the name over the control group, every rank maps it, and
 rank 0 unlinks the name as soon as all have: the mappings live on until the
 processes exit, so a crash at any later point leaves nothing in /dev/shm.
 (A crash in the short window before the unlink leaves a ``rtp_<pid>_`` name,
-which :func:`rtp.dist.shm_channel.cleanup_stale_segments` reaps.)
+which :func:`rtp.distributed.shm_channel.cleanup_stale_segments` reaps.)
 """
 
 from __future__ import annotations
 
+import _posixshmem
 import mmap
 
-import _posixshmem
-
-from rtp.dist.shm_channel import make_channel_name, map_segment
+from rtp.distributed.shm_channel import make_channel_name, map_segment
 from rtp.errors import RtpError
 
 

@@ -44,6 +44,7 @@ removes what a killed run left (the creator pid is part of the name).
 
 from __future__ import annotations
 
+import _posixshmem  # the primitive multiprocessing.shared_memory itself is built on
 import mmap
 import os
 import re
@@ -54,10 +55,8 @@ import zlib
 from collections.abc import Callable
 from types import TracebackType
 
-import _posixshmem  # the primitive multiprocessing.shared_memory itself is built on
-
+from rtp.distributed.pids import pid_alive
 from rtp.errors import RtpError
-from rtp.dist.pids import pid_alive
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
@@ -235,7 +234,7 @@ class ShmChannel:
             prev = k - lay.num_chunks  # the piece this chunk held before; every reader must be past it
             if prev > 0 and not self._all_consumed(c, prev):
                 try:
-                    self._wait(lambda: self._all_consumed(c, prev), deadline, should_abort, "write")
+                    self._wait(lambda c=c, prev=prev: self._all_consumed(c, prev), deadline, should_abort, "write")
                 except BaseException:  # timeout, abort, KeyboardInterrupt
                     self._broken = offset > 0  # readers already hold part of this message
                     raise
@@ -263,7 +262,7 @@ class ShmChannel:
             k = self._next_piece
             c = (k - 1) % lay.num_chunks
             if q[self._ws + c] != k:
-                self._wait(lambda: q[self._ws + c] == k, deadline, should_abort, "read")
+                self._wait(lambda c=c, k=k: q[self._ws + c] == k, deadline, should_abort, "read")
             done = self._take_piece(k, lay.data_off + c * lay.chunk_bytes)
             q[rs + c] = k  # release: after the copy and its check (see module docstring)
             self._next_piece = k + 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rtp.dist.shm_allreduce import ShmAllReduce
+from rtp.distributed.shm_allreduce import ShmAllReduce
 from rtp.errors import ConfigError
 from rtp.log import get_logger
 

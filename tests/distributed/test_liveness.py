@@ -16,10 +16,9 @@ import time
 
 import pytest
 
-from rtp.dist.heartbeat import Heartbeat
-from rtp.dist.liveness import Failure, Watchdog, kill_hung, pid_alive
-from rtp.dist.shm_channel import map_segment
-from rtp.dist.shm_channel import make_channel_name
+from rtp.distributed.heartbeat import Heartbeat
+from rtp.distributed.liveness import Failure, Watchdog, kill_hung, pid_alive
+from rtp.distributed.shm_channel import make_channel_name, map_segment
 from tests.utils import REPO
 
 TIMEOUT_S = 1.5  # liveness timeout of these tests (short, with room for a loaded machine)
@@ -29,8 +28,8 @@ INTERVAL_S = 0.05  # heartbeat interval
 # "beat" just beats, "step" also starts a step and never finishes it.
 PEER = """
 import sys, time
-from rtp.dist.heartbeat import Heartbeat
-from rtp.dist.shm_channel import map_segment
+from rtp.distributed.heartbeat import Heartbeat
+from rtp.distributed.shm_channel import map_segment
 name, mode = sys.argv[1], sys.argv[2]
 hb = Heartbeat(map_segment(name, Heartbeat.region_bytes(2), create=False, what="test"), 1, 2, {interval}, {timeout})
 hb.start()
@@ -200,7 +199,7 @@ def test_a_changed_parent_pid_is_an_orphaned_rank():
 # signal and polls only every 60 s, so only the signal can make it notice its launcher's death fast.
 ORPHAN = """
 import os, sys, time
-from rtp.dist.liveness import Watchdog
+from rtp.distributed.liveness import Watchdog
 def lost(failure):
     print(failure.message, flush=True)
     os._exit(3)

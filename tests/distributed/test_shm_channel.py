@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rtp.dist import shm_channel
-from rtp.dist.shm_channel import (
+from rtp.distributed import shm_channel
+from rtp.distributed.shm_channel import (
     PIECE_HEADER_BYTES,
     ChannelAborted,
     ChannelTimeout,
@@ -168,7 +168,7 @@ def test_two_channels_in_parallel(prefix: str) -> None:
             p.join(timeout=30)
         # Both readers are index 0, so match them to their channel by the digest of their own seed.
         assert sorted(written) == [100, 101]
-        for _, first_bad, digest, error in got:
+        for _, first_bad, _digest, error in got:
             assert error is None and first_bad is None
         assert sorted(d for _, _, d, _ in got) == sorted(written.values())
         assert all(p.exitcode == 0 for p in procs)
@@ -343,7 +343,7 @@ def test_stale_segment_cleanup(prefix: str, caplog: pytest.LogCaptureFixture) ->
     other = SHM / f"{prefix}not_our_scheme"
     other.write_bytes(b"x")
     try:
-        with caplog.at_level(logging.WARNING, logger="rtp.dist.shm_channel"):
+        with caplog.at_level(logging.WARNING, logger="rtp.distributed.shm_channel"):
             removed = cleanup_stale_segments(prefix)
         assert removed == [stale_name]
         assert not (SHM / stale_name).exists()
@@ -363,7 +363,7 @@ def test_separate_reader_process_does_not_unlink_or_warn(prefix: str) -> None:
     # segment, that tracker would unlink it and warn about a leak when the reader exits.
     name = make_channel_name(prefix)
     code = textwrap.dedent(f"""
-        from rtp.dist.shm_channel import ShmChannel
+        from rtp.distributed.shm_channel import ShmChannel
         ch = ShmChannel.attach({name!r}, 0, timeout=20)
         print(ch.read(timeout=20).decode())
         ch.close()

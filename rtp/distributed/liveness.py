@@ -4,7 +4,7 @@ What it catches (each within about a second of its bound):
 
 - **died**: a watched peer's process is gone (pid check; a zombie or a reused
   pid counts as gone).
-- **hung**: a peer's heartbeat (:mod:`rtp.dist.heartbeat`) is older than
+- **hung**: a peer's heartbeat (:mod:`rtp.distributed.heartbeat`) is older than
   ``liveness_timeout_s``: stopped, swapped out, stuck in a driver call. The
   runtime SIGKILLs the hung peer (:func:`kill_hung`) once it has cleaned up:
   a stopped process cannot act on SIGTERM, torchrun would wait 30 s before it
@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from rtp.dist.heartbeat import Heartbeat
-from rtp.dist.pids import pid_alive, start_time
+from rtp.distributed.heartbeat import Heartbeat
+from rtp.distributed.pids import pid_alive, start_time
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
@@ -88,7 +88,7 @@ class Failure:
     pid: int | None = None
     """That rank's pid."""
     start_time: str | None = None
-    """That process's start time (see :func:`rtp.dist.pids.start_time`): a reused pid is not it."""
+    """That process's start time (see :func:`rtp.distributed.pids.start_time`): a reused pid is not it."""
 
 
 def kill_hung(failure: Failure) -> None:

@@ -7,7 +7,7 @@ stamps ``CLOCK_MONOTONIC`` into its slot of a small shared region every
 ``interval_s``. A stopped process stops all its threads, so its stamp ages;
 a long step (a big prefill, a Triton compile, CUDA graph capture) does not
 stop the thread, so its stamp stays fresh. The watchdog
-(:mod:`rtp.dist.liveness`) declares a rank lost when its stamp is older than
+(:mod:`rtp.distributed.liveness`) declares a rank lost when its stamp is older than
 ``timeout_s`` (the config's ``liveness_timeout_s``).
 
 The thread needs the GIL for a few microseconds per beat. A C call that holds
@@ -34,7 +34,7 @@ written by a relay that copies their ``beats`` over torch.distributed and
 stamps ``beat_ns`` with this node's clock when the count changes; the
 watchdog would then read one region whatever the topology.
 
-Lifetime: the region is shared through :func:`rtp.dist.node_segment.share_segment`,
+Lifetime: the region is shared through :func:`rtp.distributed.node_segment.share_segment`,
 which unlinks its name before the run starts, so it can never leak.
 """
 
@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 
-from rtp.dist.node_segment import share_segment
+from rtp.distributed.node_segment import share_segment
 from rtp.log import get_logger
 
 logger = get_logger(__name__)

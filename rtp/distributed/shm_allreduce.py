@@ -27,7 +27,7 @@ would need fences that Python cannot issue: there, :func:`supported` says no and
 gloo is used.
 
 Lifetime: rank 0 creates the segment, every rank maps it, and rank 0 unlinks the
-name as soon as all have mapped it (:func:`rtp.dist.node_segment.share_segment`);
+name as soon as all have mapped it (:func:`rtp.distributed.node_segment.share_segment`);
 the mappings live on until the processes exit, so a crash can never leave the
 segment behind.
 
@@ -51,10 +51,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rtp.dist.heartbeat import Heartbeat
-from rtp.dist.liveness import died_message, hung_message
-from rtp.dist.node_segment import share_segment
-from rtp.dist.pids import pid_alive
+from rtp.distributed.heartbeat import Heartbeat
+from rtp.distributed.liveness import died_message, hung_message
+from rtp.distributed.node_segment import share_segment
+from rtp.distributed.pids import pid_alive
 from rtp.errors import RtpError, WorkerDiedError
 
 _LINE = 64

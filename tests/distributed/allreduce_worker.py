@@ -10,9 +10,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from rtp.dist import shm_allreduce
-from rtp.dist.heartbeat import Heartbeat
-from rtp.dist.parallel import ParallelState
+from rtp.distributed import shm_allreduce
+from rtp.distributed.heartbeat import Heartbeat
+from rtp.distributed.parallel import ParallelState
 from rtp.errors import RtpError, WorkerDiedError
 
 HUNG_TIMEOUT_S = 2.0  # liveness timeout of the "hung" mode

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from rtp.dist import shm_allreduce
+from rtp.distributed import shm_allreduce
 from tests.utils import REPO, torchrun
 
-WORKER = REPO / "tests" / "dist" / "allreduce_worker.py"
+WORKER = REPO / "tests" / "distributed" / "allreduce_worker.py"
 
 pytestmark = pytest.mark.skipif(not shm_allreduce.supported(), reason="needs x86-64 store ordering")
 
