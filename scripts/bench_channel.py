@@ -1,4 +1,4 @@
-"""Step-broadcast latency: encoded StepPlan over ShmChannel vs gloo broadcast_object_list.
+"""Step-broadcast latency: encoded StepPlan over ShmChannel, the two-node relay, and gloo broadcast_object_list.
 
 Starts ``--world-size`` processes on this machine. For every step rank 0 sends a
 realistic decode StepPlan (256 running sequences, one new token each, now and
@@ -11,7 +11,15 @@ CLOCK_MONOTONIC, which is one clock for every process on the machine.
 Steps are paced by an untimed gloo barrier, after which rank 0 waits a little
 so that the workers are already waiting, as they are in the runtime.
 
-    .venv/bin/python scripts/bench_channel.py --world-size 2 --steps 500
+The two-node relay is the multi-node path (rtp.distributed.step_relay): the
+ranks are split into two "nodes", [0, W/2) and [W/2, W); rank 0 writes its
+node's channel and sends the encoded plan to node 1's leader (rank W/2) over a
+gloo group of the two leaders; the leader republishes it on node 1's own
+channel, which node 1's other ranks read. Both "nodes" run on this machine,
+in the same namespaces, joined by loopback TCP: the numbers leave out a real
+network's latency, which adds to the relay's per-step cost.
+
+    .venv/bin/python scripts/bench_channel.py --world-size 4 --steps 500
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch.distributed as dist
 
 from rtp.core.step import CachedSeq, StepPlan, decode, encode
 from rtp.distributed.shm_channel import ShmChannel, make_channel_name
+from rtp.distributed.step_relay import StepRelay
 
 VOCAB = 151_936  # Qwen3 vocabulary size
 NUM_BLOCKS = 4096
@@ -64,11 +73,58 @@ def _settle() -> None:
         pass
 
 
-def _rank_main(rank: int, world: int, port: int, name: str, steps: int, warmup: int, seqs: int, out) -> None:
+def _relay_steps(rank: int, world: int, names: tuple[str, str], plans: list[StepPlan],
+                 times: dict[str, list[int]]) -> int:
+    """The two-node relay (see the module docstring); returns the number of plans received wrong."""
+    half = world // 2
+    node = 0 if rank < half else 1
+    leader = 0 if node == 0 else half
+    readers = (half if node == 0 else world - half) - 1
+    leaders = dist.new_group([0, half])  # every rank creates every group
+    relay = StepRelay(leaders) if rank == leader else None
+    chan = None
+    mismatches = 0
+    try:
+        if rank == leader and readers:
+            chan = ShmChannel.create(names[node], num_readers=readers, chunk_bytes=256 * 1024, num_chunks=4)
+        dist.barrier()
+        if rank != leader:
+            chan = ShmChannel.attach(names[node], rank - leader - 1, timeout=30)
+        dist.barrier()
+        for plan in plans:
+            dist.barrier()
+            if rank == 0:
+                _settle()
+                t = _now_ns()
+                buf = encode(plan)
+                if chan is not None:
+                    chan.write(buf, timeout=30)
+                relay.send(buf)  # type: ignore[union-attr]
+            else:
+                if rank == half:
+                    buf = relay.recv()  # type: ignore[union-attr]
+                    times["relay_leader"].append(_now_ns())
+                    if chan is not None:
+                        chan.write(buf, timeout=30)
+                else:
+                    buf = chan.read(timeout=30)  # type: ignore[union-attr]
+                mismatches += decode(buf) != plan
+                t = _now_ns()
+            times["relay"].append(t)
+    finally:
+        if chan is not None:
+            chan.close()
+            if rank == leader:
+                chan.unlink()
+    return mismatches
+
+
+def _rank_main(rank: int, world: int, port: int, name: str, relay_names: tuple[str, str], steps: int,
+               warmup: int, seqs: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     plans = make_plans(steps + warmup, seqs)  # every rank builds them, so workers can check what they got
     # shm_mid: rank 0 = encode done, workers = read() returned (splits serialization from transport).
-    times: dict[str, list[int]] = {"shm": [], "shm_mid": [], "gloo": []}
+    times: dict[str, list[int]] = {"shm": [], "shm_mid": [], "gloo": [], "relay": [], "relay_leader": []}
     mismatches = 0
     chan = None
     try:
@@ -108,6 +164,8 @@ def _rank_main(rank: int, world: int, port: int, name: str, steps: int, warmup: 
                 t = _now_ns()
                 mismatches += box[0] != plan
             times["gloo"].append(t)
+
+        mismatches += _relay_steps(rank, world, relay_names, plans, times)
 
         gathered: list[object] = [None] * world
         dist.all_gather_object(gathered, (times, mismatches))
@@ -154,9 +212,11 @@ def main() -> None:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     port, name = _free_port(), make_channel_name()
+    relay_names = (make_channel_name(), make_channel_name())
     t0 = time.monotonic()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, args.world_size, port, name, args.steps, args.warmup, args.seqs, out))
+        ctx.Process(target=_rank_main,
+                    args=(r, args.world_size, port, name, relay_names, args.steps, args.warmup, args.seqs, out))
         for r in range(args.world_size)
     ]
     for p in procs:
@@ -196,6 +256,21 @@ def main() -> None:
           f"write->read {statistics.median(xfer):.1f} us, decode {statistics.median(dec):.1f} us")
     (shm_med, shm_p99), (gloo_med, gloo_p99) = result["shm"], result["gloo"]
     print(f"gloo / shm: median {gloo_med / shm_med:.1f}x, p99 {gloo_p99 / shm_p99:.1f}x")
+
+    half = w // 2
+    print(f"two-node relay: 'node 0' = ranks 0..{half - 1}, 'node 1' = ranks {half}..{w - 1}, both on this machine "
+          "(same namespaces; the leaders' gloo group runs over loopback TCP)")
+    sent = gathered[0][0]["relay"][args.warmup :]
+    leader = [(d - s) / 1e3 for s, d in zip(sent, gathered[half][0]["relay_leader"][args.warmup :])]
+    _summary("  rank 0 -> node 1's leader (gloo)", leader)
+    if w - half > 1:
+        n1 = [max(gathered[r][0]["relay"][args.warmup + i] for r in range(half + 1, w)) - s for i, s in enumerate(sent)]
+        _summary("  -> republished -> node 1 reader", [x / 1e3 for x in n1])
+    else:
+        print("  (node 1 has one rank: no republish; use --world-size 3 or more to measure it)")
+    everyone = [max(gathered[r][0]["relay"][args.warmup + i] for r in range(1, w)) - s for i, s in enumerate(sent)]
+    relay_med, relay_p99 = _summary("two-node relay, slowest rank", [x / 1e3 for x in everyone])
+    print(f"relay / shm: median {relay_med / shm_med:.1f}x, p99 {relay_p99 / shm_p99:.1f}x")
     print(f"ranks ran for {t_done - t0:.1f} s")
 
 

@@ -26,13 +26,17 @@ rank, so no two ranks ever write the same line::
     header      magic | world_size | dump_seq | dump_step | unused x4
     slot[r]     pid | beats | beat_ns | step_started | step_done | step_started_ns | waiting | dump_ack
 
-Each slot is written by its own rank only; the header by rank 0 only. Every
+Each slot is written by its own rank only (another node's rank: by this
+node's relay); the header by the node's leader (rank 0 on one node). Every
 word is one aligned 8-byte store or load, so a reader never sees it torn.
-Slots are indexed by global rank, so that multi-node support (not built yet:
-today all ranks must share a node) can give ranks on another node a slot too,
-written by a relay that copies their ``beats`` over torch.distributed and
-stamps ``beat_ns`` with this node's clock when the count changes; the
-watchdog would then read one region whatever the topology.
+Slots are indexed by global rank. With several nodes each node has a region
+of its own (nodes share no memory) that still holds a slot for every rank:
+on each node the leader runs a :class:`HeartbeatRelay`, which publishes its
+node's slots to the rendezvous ``TCPStore`` and copies the other nodes' into
+its region, stamping ``beat_ns`` with this node's clock whenever a remote
+beat count changes (clocks of different machines are never compared). The
+watchdog reads one region whatever the topology: a lost node is a set of
+slots that stopped beating.
 
 Lifetime: the region is shared through :func:`rtp.distributed.node_segment.share_segment`,
 which unlinks its name before the run starts, so it can never leak.
@@ -68,15 +72,16 @@ def interval_for(timeout_s: float) -> float:
 class Heartbeat:
     """One rank's end of the heartbeat region: its own slot to write, every slot to read."""
 
-    def __init__(self, mm: mmap.mmap, rank: int, world_size: int, interval_s: float, timeout_s: float) -> None:
-        # Private: use shared() or private().
+    def __init__(self, mm: mmap.mmap, rank: int, world_size: int, interval_s: float, timeout_s: float,
+                 creator: bool | None = None) -> None:
+        # Private: use shared() or private(). ``creator`` (default: rank 0) writes the header.
         self.rank, self.world_size = rank, world_size
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._q = memoryview(mm).cast("q")  # every word, as int64; the view keeps the mapping alive
         self._slot = _WORDS * (1 + rank)  # index of this rank's first word
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if rank == 0:
+        if creator if creator is not None else rank == 0:
             self._q[_H_WORLD] = world_size
             self._q[_H_MAGIC] = _MAGIC
         self._q[self._slot + _PID] = os.getpid()
@@ -90,7 +95,13 @@ class Heartbeat:
     def shared(cls, ps, interval_s: float, timeout_s: float) -> Heartbeat:  # noqa: ANN001 - a ParallelState
         """Collective over ``ps.cpu_group``: map the node's region on every rank and return this rank's end."""
         mm = share_segment(ps, cls.region_bytes(ps.world_size), "heartbeat region")
-        heartbeat = cls(mm, ps.rank, ps.world_size, interval_s, timeout_s)  # stamps this rank's first beat
+        leader = ps.rank == ps.node_leader
+        heartbeat = cls(mm, ps.rank, ps.world_size, interval_s, timeout_s, leader)  # stamps this rank's first beat
+        if leader and ps.num_nodes > 1:  # other nodes' slots: fresh until their relay says otherwise
+            local = set(ps.local_ranks)
+            for r in range(ps.world_size):
+                if r not in local:
+                    heartbeat._q[_WORDS * (1 + r) + _BEAT_NS] = time.monotonic_ns()
         ps.barrier()  # every slot holds a beat before any watchdog can read it (an empty slot reads as hours old)
         return heartbeat
 
@@ -215,4 +226,79 @@ class Heartbeat:
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         except (AttributeError, ValueError, OSError):  # stderr replaced by an object without a file descriptor
-            faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+            if sys.__stderr__ is not None:
+                faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+
+
+# Slot words a relay carries to the other nodes, and the header words node 0 hands on (dump requests).
+_RELAYED = (_PID, _BEATS, _STARTED, _DONE, _WAITING, _DUMP_ACK)
+_RELAYED_HEADER = (_H_DUMP_SEQ, _H_DUMP_STEP)
+
+
+class HeartbeatRelay:
+    """A node leader's thread that carries heartbeats between nodes through the rendezvous store.
+
+    Every ``interval_s`` it writes its node's slots (the words in ``_RELAYED``)
+    under its own key and reads the other nodes' keys: a remote slot whose beat
+    count changed gets ``beat_ns`` = now on this node's clock. If a node is lost,
+    or the store itself (it lives on node 0's torchrun agent), the remote beats
+    stop changing and the watchdog sees those ranks' stamps age past
+    ``timeout_s``: no call here needs to succeed for a loss to be detected.
+    Node 0 also hands rank 0's stack-dump requests on to the other nodes.
+    """
+
+    def __init__(self, heartbeat: Heartbeat, store, prefix: str,  # noqa: ANN001 - a torch.distributed Store
+                 node: int, ranks_by_node: list[list[int]]) -> None:
+        self.hb, self.store, self.node = heartbeat, store, node
+        self.ranks_by_node = ranks_by_node
+        self._keys = [f"{prefix}{n}" for n in range(len(ranks_by_node))]
+        self._others = [n for n in range(len(ranks_by_node)) if n != node]
+        self._thread: threading.Thread | None = None
+        self.publish()  # before any peer reads (the runtime meets the other nodes at a barrier after this)
+
+    def start(self) -> HeartbeatRelay:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rtp-heartbeat-relay", daemon=True)
+            self._thread.start()
+        return self
+
+    def publish(self) -> None:
+        q = self.hb._q
+        words = [q[_WORDS * (1 + r) + w] for r in self.ranks_by_node[self.node] for w in _RELAYED]
+        if self.node == 0:
+            words += [q[w] for w in _RELAYED_HEADER]
+        self.store.set(self._keys[self.node], ",".join(map(str, words)))
+
+    def pull(self) -> None:
+        q = self.hb._q
+        values = self.store.multi_get([self._keys[n] for n in self._others])
+        now = time.monotonic_ns()
+        for n, raw in zip(self._others, values):
+            words = [int(x) for x in raw.decode().split(",")]
+            for i, r in enumerate(self.ranks_by_node[n]):
+                base = _WORDS * (1 + r)
+                slot = words[i * len(_RELAYED): (i + 1) * len(_RELAYED)]
+                if slot[1] != q[base + _BEATS]:
+                    q[base + _BEAT_NS] = now
+                if slot[2] != q[base + _STARTED]:
+                    q[base + _STARTED_NS] = now
+                for w, v in zip(_RELAYED, slot):
+                    q[base + w] = v
+            if n == 0:
+                seq, step = words[-2:]
+                if seq > q[_H_DUMP_SEQ]:
+                    q[_H_DUMP_STEP] = step
+                    q[_H_DUMP_SEQ] = seq
+
+    def _run(self) -> None:
+        while not self.hb._stop.wait(self.hb.interval_s):
+            try:
+                self.publish()
+                self.pull()
+            except Exception as e:  # noqa: BLE001 - the store is gone or did not answer within the timeout
+                # A client does not come back from a broken store connection, and a call that timed out
+                # took the whole liveness timeout: either way the other nodes are as good as lost. Stop,
+                # so their stamps age and the watchdog ends the run with the one error naming them.
+                logger.warning("heartbeat relay of node %d stopped: the rendezvous store failed: %s",
+                               self.node, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                return

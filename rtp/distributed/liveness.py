@@ -34,11 +34,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from types import FrameType
+from typing import Any, Literal, Union
 
 from rtp.distributed.heartbeat import Heartbeat
 from rtp.distributed.pids import pid_alive, start_time
 from rtp.log import get_logger
+
+# What signal.getsignal returns and signal.signal accepts.
+_SignalHandler = Union[Callable[[int, Union[FrameType, None]], Any], int, signal.Handlers, None]
 
 logger = get_logger(__name__)
 
@@ -66,6 +70,11 @@ def died_message(rank: int, pid: int) -> str:
 
 def hung_message(rank: int, pid: int, age_s: float) -> str:
     return f"rank {rank} (pid {pid}) stopped responding: no heartbeat for {age_s:.1f} s"
+
+
+def lost_remote_message(rank: int, where: str, age_s: float) -> str:
+    """A rank on another node went silent: its process, its node or the link to it is gone."""
+    return f"rank {rank} ({where}) was lost: no heartbeat from its node for {age_s:.1f} s"
 
 
 FailureKind = Literal["died", "hung", "orphaned", "stuck"]
@@ -102,9 +111,15 @@ def kill_hung(failure: Failure) -> None:
     logger.warning("killed rank %s (pid %d): a stopped process cannot exit on its own", failure.rank, failure.pid)
 
 
+def _parent_death_noted(signum: int, frame: FrameType | None) -> None:
+    """The parent-death signal's handler: nothing to do here (see Watchdog._arm_parent_death)."""
+
+
 class Watchdog:
     """Watches ``peers`` (rank -> pid), the heartbeats, the launcher and (rank 0) the step timer.
 
+    ``remote`` (rank -> "pid P on host H") lists ranks on other nodes: no pid
+    can be checked there, so they are watched by their relayed heartbeats only.
     ``heartbeat`` enables the hung and stuck checks (``step_timeout_s``, set on
     rank 0 only); ``parent_pid`` enables the orphan check. Runs every
     ``interval_s`` on a daemon thread once :meth:`start` is called.
@@ -112,9 +127,12 @@ class Watchdog:
 
     def __init__(self, rank: int, peers: dict[int, int], on_failure: Callable[[Failure], None], *,
                  heartbeat: Heartbeat | None = None, parent_pid: int | None = None,
-                 step_timeout_s: float | None = None, interval_s: float = 0.25, dump_wait_s: float = 3.0) -> None:
+                 step_timeout_s: float | None = None, interval_s: float = 0.25, dump_wait_s: float = 3.0,
+                 remote: dict[int, str] | None = None) -> None:
         self.rank = rank
         self.peers = dict(peers)
+        self.remote = dict(remote or {})
+        self._watched = sorted(set(self.peers) | set(self.remote))
         # A pid can be reused by a new process once the peer is gone: remember who it was.
         self._starts = {r: start_time(pid) for r, pid in self.peers.items()}
         self.on_failure = on_failure  # replaceable: the runtime takes over from the startup handler
@@ -124,7 +142,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._old_hup: object = None
+        self._old_hup: _SignalHandler = None
         self._armed = False
         self._thread = threading.Thread(target=self._run, name="rtp-watchdog", daemon=True)
 
@@ -142,7 +160,7 @@ class Watchdog:
         self._wake.set()
         if self._armed and threading.current_thread() is threading.main_thread():
             set_parent_death_signal(0)
-            signal.signal(PARENT_DEATH_SIGNAL, self._old_hup)  # type: ignore[arg-type]
+            signal.signal(PARENT_DEATH_SIGNAL, self._old_hup)
             self._armed = False
 
     def abort_reason(self) -> str | None:
@@ -151,16 +169,18 @@ class Watchdog:
         return failure.message if failure is not None else None
 
     def _arm_parent_death(self) -> None:
-        # The handler only wakes the watchdog thread, which does the exit: a signal handler runs on
-        # the main thread, which may be blocked in C for a long time.
+        # The signal only replaces its default action (exit without cleanup): the watchdog thread
+        # sees the new parent pid within interval_s and does the exit. The handler must take no
+        # lock: it runs on the main thread between two bytecodes, possibly inside another handler
+        # call (the signal can come more than once), and waking an Event there deadlocked.
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers need the main thread; the parent-pid check still runs
-        old = signal.signal(PARENT_DEATH_SIGNAL, lambda signum, frame: self._wake.set())
+        old = signal.signal(PARENT_DEATH_SIGNAL, _parent_death_noted)
         self._old_hup = old if old is not None else signal.SIG_DFL  # None: a handler installed outside Python
         if set_parent_death_signal(PARENT_DEATH_SIGNAL):
             self._armed = True
         else:
-            signal.signal(PARENT_DEATH_SIGNAL, self._old_hup)  # type: ignore[arg-type]
+            signal.signal(PARENT_DEATH_SIGNAL, self._old_hup)
 
     # ------------------------------------------------------------ reporting
 
@@ -187,14 +207,22 @@ class Watchdog:
 
     def check_peers(self, heartbeats: bool = True) -> Failure | None:
         """A dead peer, or (``heartbeats``) a hung one; else None."""
+        if heartbeats and self.remote and self.heartbeat is not None:
+            # First: a lost node is the cause when this node's ranks then leave one after another.
+            silent = self.heartbeat.silent_peer(sorted(self.remote))
+            if silent is not None:
+                rank, age = silent
+                return Failure("hung", lost_remote_message(rank, self.remote[rank], age), rank)
         dead = self.dead_peers()
         if dead:
             rank, pid = dead[0]
             return Failure("died", died_message(rank, pid), rank, pid)
         if heartbeats and self.heartbeat is not None:
-            silent = self.heartbeat.silent_peer(sorted(self.peers))
+            silent = self.heartbeat.silent_peer(self._watched)
             if silent is not None:
                 rank, age = silent
+                if rank in self.remote:  # went silent between the two looks
+                    return Failure("hung", lost_remote_message(rank, self.remote[rank], age), rank)
                 pid = self.peers[rank]
                 return Failure("hung", hung_message(rank, pid, age), rank, pid, self._starts[rank])
         return None
@@ -204,7 +232,11 @@ class Watchdog:
 
         A collective that failed because a peer died usually returns before the
         peer's process is reaped: polling briefly tells the two cases apart.
+        A rank on another node is known to be lost only once its heartbeats
+        time out, so with remote peers the wait lasts at least that long.
         """
+        if self.remote and self.heartbeat is not None:
+            timeout_s = max(timeout_s, self.heartbeat.timeout_s + 4 * self.heartbeat.interval_s)
         deadline = time.monotonic() + timeout_s
         while True:
             found = self.failure or self.check_peers()
@@ -240,7 +272,7 @@ class Watchdog:
         logger.error("%s; asking every rank for its Python stacks", message)
         seq = hb.request_dump(step)
         # Ranks that can answer: this one and every peer whose heartbeat still runs.
-        expected = {self.rank} | {r for r in self.peers if hb.age_s(r) < hb.timeout_s}
+        expected = {self.rank} | {r for r in self._watched if hb.age_s(r) < hb.timeout_s}
         deadline = time.monotonic() + self.dump_wait_s
         while not expected <= set(hb.dumped(seq)) and time.monotonic() < deadline:
             time.sleep(0.05)

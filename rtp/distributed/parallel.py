@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,57 @@ from rtp.errors import ConfigError
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which node (torchrun ``GROUP_RANK``) each global rank runs on, with its host and pid.
+
+    Every node has a leader, its local rank 0; rank 0 leads node 0. Pids mean
+    something only on their own node.
+    """
+
+    hosts: tuple[str, ...]
+    pids: tuple[int, ...]
+    nodes: tuple[int, ...]
+    leaders: tuple[int, ...]
+    """Global rank of each node's leader, by node."""
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.leaders)
+
+    def ranks_on(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.nodes) if n == node]
+
+    @classmethod
+    def from_ranks(cls, entries: list[tuple[str, int, int, int]]) -> Topology:
+        """Build and check the topology from every rank's (hostname, pid, GROUP_RANK, LOCAL_RANK)."""
+        hosts = tuple(e[0] for e in entries)
+        nodes = tuple(e[2] for e in entries)
+        num_nodes = max(nodes) + 1
+        if sorted(set(nodes)) != list(range(num_nodes)):
+            raise ConfigError(f"GROUP_RANK values {sorted(set(nodes))} are not 0..{num_nodes - 1}: "
+                              "check every node's --node-rank")
+        leaders = []
+        for node in range(num_nodes):
+            ranks = [r for r, n in enumerate(nodes) if n == node]
+            node_hosts = sorted({hosts[r] for r in ranks})
+            if len(node_hosts) > 1:
+                raise ConfigError(f"GROUP_RANK {node} has ranks on several hosts {node_hosts}: "
+                                  "each node (torchrun --node-rank) must run on one machine")
+            local = sorted(entries[r][3] for r in ranks)
+            if local != list(range(len(ranks))):
+                raise ConfigError(f"node {node} has LOCAL_RANK values {local}; expected 0..{len(ranks) - 1}")
+            leaders.append(next(r for r in ranks if entries[r][3] == 0))
+        if leaders[0] != 0:
+            raise ConfigError(f"rank 0 must be local rank 0 of node 0; node 0 is led by rank {leaders[0]}")
+        for a in range(num_nodes):
+            for b in range(a + 1, num_nodes):
+                if hosts[leaders[a]] == hosts[leaders[b]]:
+                    logger.warning("nodes %d and %d both report hostname %s: are they really two machines?",
+                                   a, b, hosts[leaders[a]])
+        return cls(hosts, tuple(e[1] for e in entries), nodes, tuple(leaders))
 
 
 @dataclass
@@ -39,6 +91,30 @@ class ParallelState:
     """Shared-memory collectives for CPU tensors when every rank is on this node (set by the runtime)."""
     launcher_pid: int | None = None
     """pid of the process that started this rank (torchrun's agent); None without a launcher."""
+    topology: Topology | None = None
+    """Which ranks share a node; None for a world built by hand (one node)."""
+    node_group: dist.ProcessGroup | None = None
+    """gloo group of this node's ranks (several nodes only)."""
+    leader_group: dist.ProcessGroup | None = None
+    """gloo group of every node's leader (several nodes only): carries the step plans."""
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 if self.topology is None else self.topology.num_nodes
+
+    @property
+    def node_rank(self) -> int:
+        return 0 if self.topology is None else self.topology.nodes[self.rank]
+
+    @property
+    def node_leader(self) -> int:
+        """Global rank of this node's leader (0 with one node)."""
+        return 0 if self.topology is None else self.topology.leaders[self.node_rank]
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """Global ranks on this node, this one included, in order."""
+        return list(range(self.world_size)) if self.topology is None else self.topology.ranks_on(self.node_rank)
 
     @property
     def tp_rank(self) -> int:
@@ -77,8 +153,24 @@ class ParallelState:
         # A gloo group exists on GPU too, for control messages that must not
         # queue behind (or deadlock with) NCCL kernels.
         cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else tp_group
-        logger.info("initialised %s world of %d ranks on %s", backend, world_size, dev)
-        return cls(rank, world_size, local_rank, dev, tp_group, cpu_group, launcher_pid=launcher_pid)
+        # Who shares a node: torchrun's GROUP_RANK, cross-checked with the hostname.
+        entries: list = [None] * world_size
+        me = (socket.gethostname(), os.getpid(), int(os.environ.get("GROUP_RANK", 0)), local_rank)
+        dist.all_gather_object(entries, me, group=cpu_group)
+        topology = Topology.from_ranks(entries)
+        ps = cls(rank, world_size, local_rank, dev, tp_group, cpu_group, launcher_pid=launcher_pid, topology=topology)
+        if topology.num_nodes > 1:
+            # Every rank creates every group, in the same order (torch.distributed requires it).
+            for node in range(topology.num_nodes):
+                group = dist.new_group(topology.ranks_on(node), backend="gloo", timeout=timeout)
+                if node == ps.node_rank:
+                    ps.node_group = group
+            leaders = dist.new_group(list(topology.leaders), backend="gloo", timeout=timeout)
+            if rank in topology.leaders:
+                ps.leader_group = leaders
+        logger.info("initialised %s world of %d ranks on %s (%d node%s)", backend, world_size, dev,
+                    topology.num_nodes, "s" if topology.num_nodes > 1 else "")
+        return ps
 
     # Collectives. With one rank they are no-ops, so layers need no special case.
 
@@ -121,6 +213,21 @@ class ParallelState:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
+
+    def node_broadcast_object(self, obj: object) -> object:
+        """Send a small picklable object from this node's leader to the node's ranks (startup only)."""
+        if self.node_group is None:
+            return self.broadcast_object(obj)
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.node_leader, group=self.node_group)
+        return box[0]
+
+    def node_barrier(self) -> None:
+        """Wait for every rank of this node."""
+        if self.node_group is None:
+            self.barrier()
+        else:
+            dist.barrier(group=self.node_group)
 
     def destroy(self, barrier: bool = True, barrier_timeout_s: float = 10.0) -> None:
         """Tear down the process groups (idempotent).

@@ -53,6 +53,7 @@ import struct
 import time
 import zlib
 from collections.abc import Callable
+from functools import partial
 from types import TracebackType
 
 from rtp.distributed.pids import pid_alive
@@ -234,7 +235,7 @@ class ShmChannel:
             prev = k - lay.num_chunks  # the piece this chunk held before; every reader must be past it
             if prev > 0 and not self._all_consumed(c, prev):
                 try:
-                    self._wait(lambda c=c, prev=prev: self._all_consumed(c, prev), deadline, should_abort, "write")
+                    self._wait(partial(self._all_consumed, c, prev), deadline, should_abort, "write")
                 except BaseException:  # timeout, abort, KeyboardInterrupt
                     self._broken = offset > 0  # readers already hold part of this message
                     raise
@@ -262,7 +263,7 @@ class ShmChannel:
             k = self._next_piece
             c = (k - 1) % lay.num_chunks
             if q[self._ws + c] != k:
-                self._wait(lambda c=c, k=k: q[self._ws + c] == k, deadline, should_abort, "read")
+                self._wait(partial(self._published, c, k), deadline, should_abort, "read")
             done = self._take_piece(k, lay.data_off + c * lay.chunk_bytes)
             q[rs + c] = k  # release: after the copy and its check (see module docstring)
             self._next_piece = k + 1
@@ -300,6 +301,9 @@ class ShmChannel:
             return None
         out, self._partial = bytes(self._partial), None
         return out
+
+    def _published(self, chunk: int, piece: int) -> bool:
+        return self._q[self._ws + chunk] == piece
 
     def _all_consumed(self, chunk: int, piece: int) -> bool:
         q = self._q

@@ -7,19 +7,26 @@ worker.py). Every rank beats a heartbeat and runs a watchdog from the start
 stuck step becomes one logged error line and a prompt non-zero exit instead of
 a hang in a collective. The shm segment is unlinked on every exit path
 (normal, exception, SIGTERM/SIGINT, any liveness failure).
+
+Several nodes (torchrun --nnodes): every node's leader (its local rank 0) owns
+its node's channel; rank 0 also sends each plan to the other leaders over
+their gloo group (:mod:`rtp.distributed.step_relay`), and the leaders carry
+the heartbeats between nodes through the rendezvous store
+(:class:`rtp.distributed.heartbeat.HeartbeatRelay`). With one node neither runs.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -27,10 +34,11 @@ from tqdm import tqdm
 from rtp.config import RtpConfig, resolve_tp_size
 from rtp.core.step import StepKind, StepPlan, encode
 from rtp.distributed import shm_allreduce
-from rtp.distributed.heartbeat import Heartbeat, interval_for
+from rtp.distributed.heartbeat import Heartbeat, HeartbeatRelay, interval_for
 from rtp.distributed.liveness import Failure, Watchdog, kill_hung
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.shm_channel import ShmChannel, cleanup_stale_segments, make_channel_name
+from rtp.distributed.step_relay import StepRelay
 from rtp.errors import RequestError, RtpError, StepTimeoutError, WorkerDiedError
 from rtp.log import get_logger, setup_logging
 from rtp.outputs import RequestOutput, snapshot
@@ -56,14 +64,16 @@ class Runtime:
     """Rank 0's handle on the running world: the engine, the channel, the heartbeat and the watchdog."""
 
     def __init__(self, config: RtpConfig, ps: ParallelState, engine: Engine, channel: ShmChannel | None,
-                 watchdog: Watchdog, heartbeat: Heartbeat, step_delay: StepDelay | None = None) -> None:
+                 watchdog: Watchdog, heartbeat: Heartbeat, step_delay: StepDelay | None = None,
+                 relay: StepRelay | None = None) -> None:
         self.config, self.ps, self.engine, self.channel = config, ps, engine, channel
+        self.relay = relay  # several nodes: the plans also go to the other nodes' leaders
         self.watchdog, self.heartbeat, self.step_delay = watchdog, heartbeat, step_delay
         self.closed = False
         self.stop_signal: int | None = None  # SIGTERM/SIGINT received during a step: stop after it
         self.failed: str | None = None  # a step raised: the workers may be stuck in it, the engine is unusable
         self.in_step = False
-        self._old_handlers: dict[int, object] = {}
+        self._old_handlers: dict[int, Any] = {}  # what signal.signal returned
         self.on_failure: list[Callable[[str], None]] = []  # the server hooks in to fail its clients
         watchdog.on_failure = self._on_failure  # takes over from the start-up handler
 
@@ -76,7 +86,12 @@ class Runtime:
             # A full ring with live, beating readers that never read is a stuck step; outside a
             # step (SHUTDOWN) readers that fail to read for a liveness timeout are as good as gone.
             timeout = self.config.step_timeout_s if step is not None else self.config.liveness_timeout_s
-            self.channel.write(encode(plan), timeout=timeout, should_abort=self._aborted)
+            data = encode(plan)
+            self.channel.write(data, timeout=timeout, should_abort=self._aborted)
+            if self.relay is not None:
+                self.relay.send(data)
+        elif self.relay is not None:  # several nodes, rank 0 alone on its node
+            self.relay.send(encode(plan))
         if step is not None and self.step_delay is not None:
             self.step_delay.apply(0, step)
 
@@ -142,22 +157,25 @@ class Runtime:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate completions for a batch; outputs come back in prompt order."""
+        batch: list  # of strings and token-id lists
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, list):
+            batch = [prompts]
+        elif isinstance(prompts, list):
+            batch = prompts
+        else:
             raise TypeError("prompts must be a string, a list of token ids, or a list of either")
         if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+            if len(sampling_params) != len(batch):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(batch)} prompts")
             params = sampling_params
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or SamplingParams()] * len(batch)
         for i, sp in enumerate(params):
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] is a {type(sp).__name__}; expected rtp.SamplingParams")
         ids: list[str] = []
         try:
-            for i, (p, sp) in enumerate(zip(prompts, params)):
+            for i, (p, sp) in enumerate(zip(batch, params)):
                 try:
                     ids.append(self.engine.add_request(p, sp))
                 except RequestError as e:
@@ -232,7 +250,7 @@ class Runtime:
         # watchdogs see rank 0 go.
         healthy = self.watchdog.failure is None and self.failed is None
         try:
-            if self.channel is not None and healthy:
+            if (self.channel is not None or self.relay is not None) and healthy:
                 self.send(StepPlan(kind=StepKind.SHUTDOWN))
         except Exception as e:  # noqa: BLE001 - best effort: a worker may already be gone
             logger.warning("could not send shutdown to the workers: %s", e)
@@ -274,16 +292,26 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
 
 
 def _gather_pids(ps: ParallelState) -> list[int]:
-    """Every rank's pid, by rank; refuses ranks on several hosts."""
-    if ps.world_size == 1:
+    """Every rank's pid, by rank (gathered with the topology; a pid means something on its own node only)."""
+    if ps.world_size == 1 or ps.topology is None:
         return [os.getpid()]
-    peers = [None] * ps.world_size
-    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=ps.cpu_group)
-    hosts = sorted({host for host, _ in peers})
-    if len(hosts) > 1:
-        # The step channel and the pid watchdog need one machine; say so instead of timing out.
-        raise RtpError(f"all ranks must run on one node (rtp's step channel is shared memory); found hosts {hosts}")
-    return [pid for _, pid in peers]
+    return list(ps.topology.pids)
+
+
+def _heartbeat_relay(ps: ParallelState, heartbeat: Heartbeat, timeout_s: float) -> HeartbeatRelay | None:
+    """Several nodes, on a node's leader: the relay that carries heartbeats through the rendezvous store."""
+    if ps.topology is None or ps.num_nodes == 1 or ps.rank != ps.node_leader:
+        return None
+    try:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise RtpError("several nodes need torchrun's MASTER_ADDR and MASTER_PORT (the rendezvous store)") from None
+    # A client of its own: a relay call that waits on a lost store blocks no other store user.
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    ranks_by_node = [ps.topology.ranks_on(n) for n in range(ps.num_nodes)]
+    return HeartbeatRelay(heartbeat, store, f"rtp/heartbeat/{run}/", ps.node_rank, ranks_by_node)
 
 
 def _start_liveness(config: RtpConfig, ps: ParallelState, pids: list[int]) -> tuple[Heartbeat, Watchdog]:
@@ -297,11 +325,22 @@ def _start_liveness(config: RtpConfig, ps: ParallelState, pids: list[int]) -> tu
         heartbeat = Heartbeat.shared(ps, interval_for(timeout), timeout)
     else:
         heartbeat = Heartbeat.private(interval_for(timeout), timeout)
+    remote: dict[int, str] = {}
+    if ps.num_nodes > 1 and ps.topology is not None:
+        relay = _heartbeat_relay(ps, heartbeat, timeout)
+        ps.barrier()  # every leader has published its node's beats before any relay reads them
+        if relay is not None:
+            relay.start()
+        topo = ps.topology
+        remote = {r: f"pid {topo.pids[r]} on host {topo.hosts[r]}" for r in range(ps.world_size)
+                  if r not in ps.local_ranks}
     heartbeat.start()
-    on_failure = WorkerExit(ps.rank) if ps.rank != 0 else _exit_at_startup
+    on_failure = WorkerExit(ps.rank, ps.node_leader) if ps.rank != 0 else _exit_at_startup
+    local = set(ps.local_ranks)
     watchdog = Watchdog(
-        ps.rank, {r: pid for r, pid in enumerate(pids) if r != ps.rank}, on_failure, heartbeat=heartbeat,
-        parent_pid=ps.launcher_pid, step_timeout_s=config.step_timeout_s if ps.rank == 0 else None,
+        ps.rank, {r: pid for r, pid in enumerate(pids) if r != ps.rank and r in local}, on_failure,
+        heartbeat=heartbeat, parent_pid=ps.launcher_pid,
+        step_timeout_s=config.step_timeout_s if ps.rank == 0 else None, remote=remote,
     )
     return heartbeat, watchdog.start()
 
@@ -314,7 +353,7 @@ def _exit_at_startup(failure: Failure) -> None:
 
 def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int], heartbeat: Heartbeat,
            watchdog: Watchdog, step_delay: StepDelay | None) -> Runtime:
-    if ps.world_size > 1 and ps.device.type == "cpu" and shm_allreduce.supported():
+    if ps.world_size > 1 and ps.num_nodes == 1 and ps.device.type == "cpu" and shm_allreduce.supported():
         # Layers' all-reduces and the logits gather go through shared memory instead of gloo.
         # Lost peers fail a collective through the heartbeat and should_abort; the last-resort timeout
         # comes after the stuck-step bound, so a slow step is reported as stuck, with stacks.
@@ -336,30 +375,45 @@ def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int
         runtime.engine = Engine(config, runner, model_dir, transport=runtime.send)  # transport: step tracking
         _install_exit_handlers(runtime)
         return runtime
-    if ps.rank == 0:
+    # Each node's leader (rank 0 on node 0) writes the step plans to its node's channel; with
+    # several nodes the others' leaders get them from rank 0 over the leaders' gloo group.
+    leader, num_local = ps.rank == ps.node_leader, len(ps.local_ranks)
+    channel = None
+    if leader and num_local > 1:
         try:
             cleanup_stale_segments()  # segments of crashed runs: removed, each one logged
-            channel = ShmChannel.create(
-                make_channel_name(), ps.world_size - 1, config.shm_chunk_bytes, config.shm_num_chunks
-            )
+            channel = ShmChannel.create(make_channel_name(), num_local - 1, config.shm_chunk_bytes,
+                                        config.shm_num_chunks)
         except BaseException:
-            ps.broadcast_object("")  # tell the workers waiting for the name to give up
+            ps.node_broadcast_object("")  # tell the node's workers waiting for the name to give up
             raise
+    relay = StepRelay(ps.leader_group) if leader and ps.leader_group is not None else None
+    if ps.rank == 0:
         try:
             # The Runtime first: from here on a liveness failure unlinks the channel.
-            runtime = Runtime(config, ps, None, channel, watchdog, heartbeat, step_delay)  # type: ignore[arg-type]
+            runtime = Runtime(config, ps, None, channel, watchdog, heartbeat, step_delay,  # type: ignore[arg-type]
+                              relay=relay)
             _install_exit_handlers(runtime)
-            ps.broadcast_object(channel.name)
+            if channel is not None:
+                ps.node_broadcast_object(channel.name)
             runtime.engine = Engine(config, runner, model_dir, transport=runtime.send)
         except BaseException:
-            channel.unlink()
+            if channel is not None:
+                channel.unlink()
             raise
         return runtime
-    name = ps.broadcast_object(None)
-    if not name:
-        logger.error("rank 0 failed to create the step channel; rank %d exits", ps.rank)
-        sys.exit(1)
-    run_worker(ps, runner, name, watchdog, heartbeat, step_delay)
+    name = None
+    if leader:  # another node's leader: receives the plans over the relay and republishes them
+        if channel is not None:
+            if isinstance(watchdog.on_failure, WorkerExit):
+                watchdog.on_failure.own_channel = channel
+            ps.node_broadcast_object(channel.name)
+    else:
+        name = ps.node_broadcast_object(None)
+        if not name:
+            logger.error("rank %d failed to create the step channel; rank %d exits", ps.node_leader, ps.rank)
+            sys.exit(1)
+    run_worker(ps, runner, str(name) if name else None, watchdog, heartbeat, step_delay, relay=relay, writer=channel)
     runner.close()
     ps.destroy()
     sys.exit(0)

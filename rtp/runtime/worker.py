@@ -1,10 +1,16 @@
-"""The loop of ranks > 0: read a StepPlan from the channel, run it, repeat."""
+"""The loop of ranks > 0: read a StepPlan from the channel, run it, repeat.
+
+With several nodes, the leader of every node but rank 0's receives the plans
+from rank 0 over the leaders' gloo group (:class:`rtp.distributed.step_relay.StepRelay`)
+and republishes them on its node's channel, which it owns.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from collections.abc import Callable
 
 from rtp.core.step import StepKind, decode
 from rtp.distributed.heartbeat import Heartbeat
@@ -12,6 +18,7 @@ from rtp.distributed.liveness import Failure, Watchdog, kill_hung
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.pids import pid_alive
 from rtp.distributed.shm_channel import ShmChannel, cleanup_stale_segments, remove_segment
+from rtp.distributed.step_relay import StepRelay
 from rtp.log import get_logger
 from rtp.runtime.fault_injection import StepDelay
 from rtp.runtime.model_runner import ModelRunner
@@ -27,36 +34,61 @@ _ATTACH_TIMEOUT_S = 60.0
 class WorkerExit:
     """A worker's failure handler: log the one line, remove what a lost rank 0 cannot, exit at once.
 
-    A worker owns no segment itself; rank 0's step channel is rank 0's to
-    unlink, unless rank 0 is the rank that was lost.
+    The node's step channel is its leader's to unlink (rank 0 on node 0),
+    unless the leader is the rank that was lost. The leader of another node
+    owns its node's channel (``own_channel``) and unlinks it here.
     """
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.channel_name: str | None = None  # rank 0's step channel, once attached
+    def __init__(self, rank: int, leader: int = 0) -> None:
+        self.rank, self.leader = rank, leader
+        self.channel_name: str | None = None  # the node leader's step channel, once attached
+        self.own_channel: ShmChannel | None = None  # the channel this rank writes, on another node's leader
 
     def __call__(self, failure: Failure) -> None:
         logger.error("%s; rank %d exits", failure.message, self.rank)
         kill_hung(failure)
-        if failure.rank == 0 and failure.kind in ("died", "hung") and self.channel_name is not None:
-            remove_segment(self.channel_name)  # a hung rank 0 was just killed: it will never unlink it
+        if self.own_channel is not None:
+            self.own_channel.unlink()
+        if failure.rank == self.leader and failure.kind in ("died", "hung") and self.channel_name is not None:
+            remove_segment(self.channel_name)  # a hung leader was just killed: it will never unlink it
         cleanup_stale_segments()  # anything else a dead rank 0 left
         os._exit(1)
 
 
-def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str, watchdog: Watchdog,
-               heartbeat: Heartbeat, step_delay: StepDelay | None = None) -> None:
+def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str | None, watchdog: Watchdog,
+               heartbeat: Heartbeat, step_delay: StepDelay | None = None, relay: StepRelay | None = None,
+               writer: ShmChannel | None = None) -> None:
     """Serve steps until rank 0 sends SHUTDOWN; exit the process if a peer or the launcher is lost.
 
     ``watchdog`` is this rank's, started with a :class:`WorkerExit` as its failure handler.
+    A rank reads its node's channel ``channel_name``; the leader of another node
+    than rank 0's instead receives over ``relay`` and republishes on ``writer``
+    (None when it is alone on its node), which it unlinks when it leaves.
     """
-    channel = ShmChannel.attach(channel_name, reader_index=ps.rank - 1, timeout=_ATTACH_TIMEOUT_S)
-    if isinstance(watchdog.on_failure, WorkerExit):
-        watchdog.on_failure.channel_name = channel_name  # from now on a lost rank 0's channel is removed
-    driver_pid = watchdog.peers[0]
+    channel: ShmChannel | None = None
+    receive: Callable[[], bytes]
 
-    def lost() -> bool:
-        return watchdog.failure is not None or not pid_alive(driver_pid)
+    def failed() -> bool:
+        return watchdog.failure is not None
+
+    if relay is not None:
+        receive = relay.recv
+    else:
+        if channel_name is None:
+            raise ValueError("run_worker needs a channel name or a step relay")
+        local = ps.local_ranks
+        channel = ShmChannel.attach(channel_name, reader_index=local.index(ps.rank) - 1, timeout=_ATTACH_TIMEOUT_S)
+        if isinstance(watchdog.on_failure, WorkerExit):
+            watchdog.on_failure.channel_name = channel_name  # from now on a lost leader's channel is removed
+        leader_pid = watchdog.peers[ps.node_leader]
+
+        def lost() -> bool:
+            return watchdog.failure is not None or not pid_alive(leader_pid)
+
+        reader = channel
+
+        def receive() -> bytes:
+            return reader.read(should_abort=lost)
 
     # On SIGTERM (torchrun forwards it to every rank) keep serving until rank 0's
     # SHUTDOWN arrives, so a clean stop stays clean; the watchdog covers rank 0 dying.
@@ -64,7 +96,10 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str, watchd
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         while True:
-            plan = decode(channel.read(should_abort=lost))
+            data = receive()
+            if writer is not None:
+                writer.write(data, should_abort=failed)
+            plan = decode(data)
             if plan.kind == StepKind.SHUTDOWN:
                 logger.info("rank %d: shutdown", ps.rank)
                 return
@@ -84,4 +119,8 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str, watchd
         raise
     finally:
         watchdog.stop()
-        channel.close()
+        if channel is not None:
+            channel.close()
+        if writer is not None:
+            writer.unlink()
+            writer.close()

@@ -1,0 +1,238 @@
+"""Two nodes on one machine: torchrun --nnodes 2, the second node in its own Linux namespaces.
+
+Node 1 runs inside ``unshare --uts --mount --pid --fork --mount-proc`` with
+its own hostname and a private tmpfs on /dev/shm, so the two nodes share no
+shared memory, no pids and no hostname: only the loopback network joins them,
+as the network joins two machines. Two ranks per node, TP = 4, gloo on CPU.
+
+- greedy output of a batch of mixed-length prompts equals HF transformers and
+  single-node TP = 4, token for token;
+- SIGKILL of the whole node 1 (its pid namespace) mid-generation: node 0's
+  processes exit non-zero within the liveness bound, naming a lost rank and
+  its host, and leave nothing in /dev/shm;
+- SIGKILL of every node-0 process: node 1's ranks and torchrun exit on their
+  own within the bound, and node 1's private /dev/shm is empty afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rtp.distributed.pids import pid_alive
+from rtp.distributed.shm_channel import remove_segment
+from rtp.testing import default_model_dir
+from tests.utils import REPO, hf_greedy, rank_pids, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+LIVENESS_S = 4.0  # liveness_timeout_s of the failure tests
+BOUND_S = LIVENESS_S + 8.0  # the bound plus relay delay, the exit grace and a loaded 2-core machine
+LENGTHS = [1, 5, 17, 40, 90]
+MAX_TOKENS = 8
+NODE1 = "rtp-node1"
+_NS = ["unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc"]
+_NS_SETUP = "mount --make-rprivate / && mount -t tmpfs tmpfs /dev/shm && hostname " + NODE1
+
+
+def _namespaces_unavailable() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "needs Linux namespaces"
+    try:
+        probe = subprocess.run([*_NS, "sh", "-c", _NS_SETUP + " && [ -z \"$(ls -A /dev/shm)\" ]"],
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unshare is not available: {e}"
+    if probe.returncode != 0:
+        return f"unshare/mount/hostname in new namespaces not permitted here: {probe.stderr.strip()[:200]}"
+    return None
+
+
+_UNAVAILABLE = _namespaces_unavailable()
+if _UNAVAILABLE:
+    pytestmark.append(pytest.mark.skip(reason=_UNAVAILABLE))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TwoNodes:
+    """Node 0's torchrun on this host, node 1's inside new namespaces; both read in the background."""
+
+    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        port = free_port()
+        common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                  "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        node0 = [*common, "--node-rank", "0", "launch/generate.py", *args, "--output", str(tmp / "out0.jsonl")]
+        node1 = shlex.join([*common, "--node-rank", "1", "launch/generate.py", *args])  # writes no output
+        # Node 1's shell reports torchrun's exit code and what is left in its private /dev/shm.
+        script = f'{_NS_SETUP} && {node1}; rc=$?; echo "NODE1 rc=$rc shm=[$(ls -A /dev/shm)]"; exit $rc'
+        self.procs = [
+            subprocess.Popen(node0, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True),
+            subprocess.Popen([*_NS, "bash", "-c", script], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True),
+        ]
+        self.output = ["", ""]
+        self.rank_pids: dict[int, int] = {}  # node 0's ranks
+        self._readers = [threading.Thread(target=self._read, args=(i,), daemon=True) for i in range(2)]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, node: int) -> None:
+        for line in self.procs[node].stdout:  # type: ignore[union-attr]
+            self.output[node] += line
+
+    def wait_for(self, node: int, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output[node]:
+            for p, out in zip(self.procs, self.output):
+                assert p.poll() is None, f"a node exited early ({p.returncode}):\n{out[-4000:]}"
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{self.output[node][-4000:]}"
+            time.sleep(0.2)
+        self.rank_pids.update(rank_pids(self.procs[0].pid))
+
+    def wait(self, node: int, timeout: float) -> int:
+        rc = self.procs[node].wait(timeout=timeout)
+        self._readers[node].join(10)
+        return rc
+
+    def kill_node1(self) -> None:
+        """SIGKILL node 1's pid-namespace init (unshare's child): the kernel kills everything in it."""
+        ps = subprocess.run(["ps", "--ppid", str(self.procs[1].pid), "-o", "pid="], capture_output=True, text=True)
+        for pid in map(int, ps.stdout.split()):
+            os.kill(pid, signal.SIGKILL)
+
+    def kill_node0(self) -> None:
+        """SIGKILL node 0's torchrun agent and every rank it started (each rank has a session of its own)."""
+        for pid in [self.procs[0].pid, *self.rank_pids.values()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        if self.procs[1].poll() is None:
+            self.kill_node1()
+        self.kill_node0()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        # A node killed as a whole cannot unlink its step channel (the next run's start would):
+        # remove what node 0's killed ranks left, so the test leaks nothing.
+        for name in rtp_segments(self.rank_pids.values()):
+            remove_segment(name)
+
+
+def rtp_segments(pids) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if any(n.startswith(f"rtp_{p}_") for p in pids)]
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    runs: list[TwoNodes] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> TwoNodes:
+        runs.append(TwoNodes(tmp_path, *args, env=env))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.close()
+
+
+def config(tmp_path: Path, **overrides: object) -> Path:
+    data = yaml.safe_load((REPO / "configs" / "cpu.yaml").read_text())
+    data.update(model=str(default_model_dir()), **overrides)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_two_nodes_greedy_equals_single_node_and_hf(tmp_path, two_nodes):
+    model = default_model_dir()
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in LENGTHS]
+    lines = [{"prompt_token_ids": p, "temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+             for p in prompts]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # A small token budget: the 90-token prompt is prefilled in chunks, next to decodes of the others.
+    args = ["--config", str(config(tmp_path, max_num_batched_tokens=48, dtype="float32")),
+            "--prompts-file", str(tmp_path / "in.jsonl")]
+    run = two_nodes(*args)
+    rcs = [run.wait(0, 240), run.wait(1, 60)]
+    assert rcs == [0, 0], f"node 0:\n{run.output[0][-3000:]}\nnode 1:\n{run.output[1][-3000:]}"
+    assert "NODE1 rc=0 shm=[]" in run.output[1], run.output[1][-2000:]
+    two = [json.loads(x)["token_ids"] for x in (tmp_path / "out0.jsonl").read_text().splitlines()]
+
+    torchrun("launch/generate.py", 4, *args, "--output", str(tmp_path / "single.jsonl"))
+    single = [json.loads(x)["token_ids"] for x in (tmp_path / "single.jsonl").read_text().splitlines()]
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    assert two == ref
+    assert two == single
+
+
+@pytest.fixture
+def long_job(tmp_path):
+    prompts = tmp_path / "long.jsonl"
+    line = {"prompt": "Once upon a time", "max_tokens": 1900, "ignore_eos": True, "temperature": 0.0}
+    prompts.write_text((json.dumps(line) + "\n") * 4)
+    return ["--config", str(config(tmp_path, liveness_timeout_s=LIVENESS_S)), "--prompts-file", str(prompts)]
+
+
+def test_losing_node1_stops_node0(two_nodes, long_job):
+    run = two_nodes(*long_job)
+    run.wait_for(0, "generate:")
+    pids = dict(run.rank_pids)
+    assert sorted(pids) == [0, 1], pids
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    run.kill_node1()
+    rc = run.wait(0, BOUND_S + 30)
+    elapsed = time.monotonic() - t0
+    out = run.output[0]
+    assert rc != 0
+    assert elapsed < BOUND_S, f"node 0 took {elapsed:.1f} s:\n{out[-3000:]}"
+    assert re.search(rf"rank [23] \(pid \d+ on host {NODE1}\) was lost: no heartbeat from its node", out), out[-3000:]
+    assert not any(pid_alive(p) for p in pids.values()), "node 0 ranks outlived the run"
+    assert not rtp_segments(pids.values()), "node 0 left a shared-memory segment behind"
+
+
+def test_losing_node0_stops_node1(two_nodes, long_job):
+    run = two_nodes(*long_job)
+    run.wait_for(0, "generate:")
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    run.kill_node0()
+    rc = run.wait(1, BOUND_S + 30)  # node 1's shell ends when its torchrun does: every rank exited by itself
+    elapsed = time.monotonic() - t0
+    out = run.output[1]
+    assert rc != 0
+    assert elapsed < BOUND_S, f"node 1 took {elapsed:.1f} s:\n{out[-3000:]}"
+    host = re.escape(socket.gethostname())
+    assert re.search(rf"rank [01] \(pid \d+ on host {host}\) was lost: no heartbeat from its node", out), out[-3000:]
+    assert re.search(r"NODE1 rc=[1-9]\d* shm=\[\]", out), out[-2000:]  # node 1's private /dev/shm is empty

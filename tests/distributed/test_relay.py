@@ -1,0 +1,181 @@
+"""The multi-node pieces without torchrun: topology checks, the step relay, the heartbeat relay.
+
+The heartbeat relay runs between two heartbeat regions (two "nodes") through
+an in-memory stand-in for the rendezvous store; the step relay runs between
+two processes over a real gloo group.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import socket
+import time
+
+import pytest
+
+from rtp.distributed.heartbeat import Heartbeat, HeartbeatRelay
+from rtp.distributed.liveness import Watchdog
+from rtp.distributed.parallel import Topology
+from rtp.errors import ConfigError
+
+# --------------------------------------------------------------------------- topology
+
+
+def test_topology_from_torchrun_env_and_hostnames():
+    entries = [("a", 10, 0, 0), ("a", 11, 0, 1), ("b", 10, 1, 0), ("b", 12, 1, 1)]
+    topo = Topology.from_ranks(entries)
+    assert topo.num_nodes == 2 and topo.leaders == (0, 2)
+    assert topo.ranks_on(1) == [2, 3] and topo.hosts[3] == "b" and topo.pids[3] == 12
+
+
+@pytest.mark.parametrize("entries, words", [
+    ([("a", 1, 0, 0), ("b", 2, 0, 1)], ["GROUP_RANK 0", "several hosts", "'a'", "'b'"]),
+    ([("a", 1, 0, 0), ("b", 2, 2, 0)], ["GROUP_RANK", "[0, 2]", "--node-rank"]),
+    ([("a", 1, 0, 0), ("a", 2, 0, 2)], ["LOCAL_RANK", "[0, 2]"]),
+    ([("a", 1, 0, 1), ("a", 2, 0, 0)], ["rank 0 must be local rank 0"]),
+])
+def test_topology_errors_name_the_problem(entries, words):
+    with pytest.raises(ConfigError) as e:
+        Topology.from_ranks(entries)
+    for w in words:
+        assert w in str(e.value)
+
+
+# --------------------------------------------------------------------------- heartbeat relay
+
+
+class FakeStore:
+    """The two calls the relay makes on a torch.distributed Store; ``broken`` makes them fail."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.broken = False
+
+    def set(self, key: str, value: str) -> None:
+        if self.broken:
+            raise RuntimeError("Broken pipe")
+        self.data[key] = value.encode()
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        if self.broken:
+            raise RuntimeError("Broken pipe")
+        return [self.data[k] for k in keys]
+
+
+def two_nodes(timeout_s: float = 1.0):
+    """Ranks 0, 1 on node 0 and 2, 3 on node 1: one region per node, the leaders' relays, one store."""
+    import mmap
+
+    store, by_node = FakeStore(), [[0, 1], [2, 3]]
+    regions = [mmap.mmap(-1, Heartbeat.region_bytes(4)) for _ in range(2)]
+    hbs = {r: Heartbeat(regions[r // 2], r, 4, 0.02, timeout_s, creator=r % 2 == 0) for r in range(4)}
+    for r in range(4):  # what Heartbeat.shared does on a leader: other nodes' slots start fresh
+        other = hbs[2 if r < 2 else 0]
+        other._q[8 * (1 + r) + 2] = time.monotonic_ns()
+    relays = [HeartbeatRelay(hbs[0], store, "k/", 0, by_node), HeartbeatRelay(hbs[2], store, "k/", 1, by_node)]
+    return store, hbs, relays
+
+
+def test_relay_carries_beats_steps_and_dump_requests_across_nodes():
+    store, hbs, relays = two_nodes()
+    hbs[3].start_step()
+    hbs[3].finish_step()
+    hbs[3].set_waiting(True)
+    for hb in hbs.values():
+        hb.beat()
+    hbs[0].request_dump(7)
+    for relay in relays:
+        relay.publish()
+    for relay in relays:
+        relay.pull()
+    # node 0's region now holds node 1's slots and vice versa
+    assert hbs[0].beats(3) == hbs[2].beats(3) and hbs[0].step_state(3)[:2] == (1, 1) and hbs[0].waiting(3)
+    assert hbs[2].beats(1) == hbs[0].beats(1)
+    assert hbs[2]._q[2] == 1 and hbs[2]._q[3] == 7  # the dump request reached node 1's header
+
+
+def test_a_silent_node_is_reported_with_its_host_and_a_live_one_is_not():
+    store, hbs, relays = two_nodes(timeout_s=0.5)
+    for relay in relays:
+        relay.start()
+    for hb in hbs.values():
+        hb.start()
+    failures = []
+    dog = Watchdog(0, {}, failures.append, heartbeat=hbs[0], interval_s=0.05,
+                   remote={2: "pid 10 on host b", 3: "pid 12 on host b"}).start()
+    try:
+        time.sleep(1.2)  # more than twice the timeout: live remote beats keep arriving
+        assert failures == []
+        hbs[2].stop()  # node 1's heartbeats and its relay stop: the node is gone
+        hbs[3].stop()
+        deadline = time.monotonic() + 3
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert failures, "a silent node was not reported"
+        assert failures[0].rank == 2 and failures[0].pid is None
+        assert "rank 2 (pid 10 on host b) was lost: no heartbeat from its node" in failures[0].message
+    finally:
+        dog.stop()
+        for hb in hbs.values():
+            hb.stop()
+
+
+def test_a_broken_store_stops_the_relay_so_the_remote_beats_age():
+    store, hbs, relays = two_nodes()
+    relays[0].start()
+    hbs[0].start()
+    try:
+        time.sleep(0.1)
+        store.broken = True
+        time.sleep(0.1)
+        assert not relays[0]._thread.is_alive()
+        age = hbs[0].age_s(2)
+        time.sleep(0.2)
+        assert hbs[0].age_s(2) > age + 0.15  # nobody refreshes it any more
+    finally:
+        hbs[0].stop()
+
+
+# --------------------------------------------------------------------------- step relay
+
+
+def _relay_rank(rank: int, port: int, sizes: list[int], out) -> None:
+    import torch.distributed as dist
+
+    from rtp.distributed.step_relay import StepRelay
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        relay = StepRelay(dist.group.WORLD, inline_bytes=64)
+        rng = random.Random(0)
+        msgs = [bytes(rng.randrange(256) for _ in range(n)) for n in sizes]
+        if rank == 0:
+            for m in msgs:
+                relay.send(m)
+        else:
+            out.put([relay.recv() == m for m in msgs])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_step_relay_delivers_every_size_over_gloo():
+    sizes = [0, 1, 55, 56, 57, 200, 5000, 3, 70_000, 56]  # inline capacity is 64 - 8 = 56 bytes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")  # the ranks inherit torch instead of importing it again
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_relay_rank, args=(r, port, sizes, out)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        result = out.get(timeout=60)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert result == [True] * len(sizes)
+    assert all(p.exitcode == 0 for p in procs)
