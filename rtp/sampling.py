@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from rtp.errors import RequestError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TokenConstraint(Protocol):
+    """Restricts the tokens one output sequence may sample next (structured outputs).
+
+    See /work/notes/sampler_hook.md. Lives on rank 0 only, where sampling happens.
+    """
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
+        """Allowed next tokens: bool ``[vocab_size]`` (True = allowed), xgrammar's packed int32
+        bitmask ``[ceil(vocab_size / 32)]``, or None for no restriction at this step."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """Advance past the token sampled for this sequence."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """True once the constraint is complete: the engine then finishes the sequence."""
+        ...
+
+
+LOGIT_BIAS_LIMIT = 100.0
 
 
 @dataclass
@@ -17,7 +46,8 @@ class SamplingParams:
     """
 
     n: int = 1
-    """Number of completions; only 1 is supported."""
+    """Number of completions of the prompt, sharing one prefill. With ``seed=s``, completion ``i``
+    uses seed ``s + i``: it equals a separate n=1 request with that seed."""
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy decoding."""
     top_p: float = 1.0
@@ -42,6 +72,25 @@ class SamplingParams:
     """Return the log-probabilities of the top-N tokens at every generated position."""
     skip_special_tokens: bool = True
     """Drop special tokens when detokenizing."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token that occurs in the output so far (vLLM: [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per occurrence of the token in the output so far (vLLM: [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """Tokens of the prompt or output: positive logits divided by it, negative ones multiplied (> 0)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias added to its logit, clamped to [-100, 100] as OpenAI does."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled."""
+    bad_words: list[str] | None = None
+    """Words never generated (vLLM): each is tokenized with and without a leading space; the last token
+    of such a sequence is banned whenever the output ends with the tokens before it."""
+    prompt_logprobs: int | None = None
+    """Return, for every prompt token but the first, its log-probability given the previous
+    tokens plus the top-N; the first entry is None (vLLM semantics). Such a request does not use
+    the prefix cache (every prompt position must be computed)."""
+    constraint: Callable[[], TokenConstraint] | None = field(default=None, repr=False, compare=False)
+    """Factory of a fresh :class:`TokenConstraint`, called once per output sequence (see the protocol)."""
     stop_strings: list[str] = field(init=False, repr=False)
     """Normalised copy of ``stop`` (always a list)."""
 
@@ -55,8 +104,8 @@ class SamplingParams:
         def is_num(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        if not is_int(self.n) or self.n != 1:
-            raise bad("n", "only n=1 is supported")
+        if not is_int(self.n) or not 1 <= self.n <= 128:
+            raise bad("n", "expected an integer in [1, 128]")
         if not is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "expected a number in [0, 100]")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -79,6 +128,37 @@ class SamplingParams:
             raise bad("skip_special_tokens", "expected true or false")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "expected an integer in [0, 20] or None")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "expected an integer in [0, 20] or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not math.isfinite(v) or not -2.0 <= v <= 2.0:
+                raise bad(name, "expected a number in [-2, 2]")
+        rp = self.repetition_penalty
+        if not is_num(rp) or not math.isfinite(rp) or not 0.0 < rp <= 100.0:
+            raise bad("repetition_penalty", "expected a number in (0, 100]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                is_int(k) and k >= 0 and is_num(v) and math.isfinite(v) for k, v in self.logit_bias.items()
+            ):
+                raise bad("logit_bias", "expected a mapping of non-negative token ids to finite numbers")
+            self.logit_bias = {
+                k: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v))) for k, v in self.logit_bias.items()
+            }
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "expected a non-empty list of non-negative integers")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w for w in self.bad_words)
+        ):
+            raise bad("bad_words", "expected a list of non-empty strings")
+        if self.constraint is not None and not callable(self.constraint):
+            raise bad("constraint", "expected a zero-argument callable returning a TokenConstraint")
         if self.stop is None:
             self.stop_strings = []
         elif isinstance(self.stop, str):
@@ -93,6 +173,11 @@ class SamplingParams:
             is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "expected a list of non-negative integers")
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of presence, frequency or repetition penalty is active."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,12 @@ and for streams a final ``data: [DONE]``. Every malformed request must get a
 4xx with an OpenAI error body. Any 5xx, timeout or incomplete answer is a
 failure; the exit code is 1 if there was any. Prints p50/p99 latency and
 throughput. Loopback only unless --allow-remote is given.
+
+``--features mix`` gives the good requests, in turn, one sampling feature each:
+none, penalties (presence, frequency, repetition), n=2 (every choice must
+finish), echo with logprobs (completions; chat gets logprobs), logit_bias, and
+with ``--structured`` a JSON schema (chat: response_format, completions:
+guided_json). Compare its generated tok/s with a run without ``--features``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from urllib.parse import urlparse
 import httpx
 
 KINDS = ("completion", "completion-stream", "chat", "chat-stream")
+FEATURES = ("plain", "penalties", "n2", "echo-logprobs", "logit_bias", "json_schema")
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+          "required": ["name"]}
 
 
 @dataclass
@@ -33,6 +43,8 @@ class Job:
     path: str
     stream: bool = False
     expect: str = ""  # what a malformed request is
+    n: int = 1  # choices expected
+    echo: str | None = None  # the prompt a completion must start with
 
 
 @dataclass
@@ -44,18 +56,40 @@ class Results:
     failures: list[str] = field(default_factory=list)
 
 
-def good_job(i: int, model: str, max_tokens: int) -> Job:
+def good_job(i: int, model: str, max_tokens: int, features: tuple[str, ...] = ("plain",)) -> Job:
     kind = KINDS[i % len(KINDS)]
     stream = kind.endswith("stream")
-    common = {"model": model, "max_tokens": max_tokens, "temperature": 0.7, "seed": i, "ignore_eos": True,
-              "stream": stream}
+    common: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0.7, "seed": i, "ignore_eos": True,
+                    "stream": stream}
     if stream:
         common["stream_options"] = {"include_usage": True}
-    if kind.startswith("chat"):
+    chat = kind.startswith("chat")
+    feature = features[(i // len(KINDS)) % len(features)]  # every feature meets every kind
+    prompt = f"Request {i}: once upon a time"
+    n, echo = 1, None
+    if feature == "penalties":
+        common.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
+    elif feature == "n2":
+        common["n"] = n = 2
+    elif feature == "echo-logprobs":
+        if chat:
+            common.update(logprobs=True, top_logprobs=2)
+        else:
+            common.update(echo=True, logprobs=2)
+            echo = None if stream else prompt
+    elif feature == "logit_bias":
+        common["logit_bias"] = {str(t): b for t, b in ((11, 5.0), (12, -5.0), (13, 2.5))}
+    elif feature == "json_schema":
+        common.pop("ignore_eos")
+        if chat:
+            common["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+        else:
+            common["guided_json"] = SCHEMA
+    if chat:
         body = {"messages": [{"role": "user", "content": f"Tell me about request number {i}."}], **common}
-        return Job(kind, json.dumps(body).encode(), "/v1/chat/completions", stream)
-    body = {"prompt": f"Request {i}: once upon a time", **common}
-    return Job(kind, json.dumps(body).encode(), "/v1/completions", stream)
+        return Job(f"{kind}/{feature}", json.dumps(body).encode(), "/v1/chat/completions", stream, n=n)
+    body = {"prompt": prompt, **common}
+    return Job(f"{kind}/{feature}", json.dumps(body).encode(), "/v1/completions", stream, n=n, echo=echo)
 
 
 def malformed_job(i: int, model: str, max_model_len: int) -> Job:
@@ -65,7 +99,7 @@ def malformed_job(i: int, model: str, max_model_len: int) -> Job:
         ("negative max_tokens", "/v1/completions", {"model": model, "prompt": "a", "max_tokens": -1}),
         ("unknown model", "/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user",
                                                                                             "content": "hi"}]}),
-        ("n > 1", "/v1/completions", {"model": model, "prompt": "a", "n": 3}),
+        ("n too large", "/v1/completions", {"model": model, "prompt": "a", "n": 1000}),
         ("no messages", "/v1/chat/completions", {"model": model, "messages": []}),
         ("prompt too long", "/v1/completions", {"model": model, "prompt": [1] * (max_model_len + 1)}),
         ("not an object", "/v1/chat/completions", b"[]"),
@@ -102,10 +136,14 @@ def check_response(job: Job, r: httpx.Response, res: Results) -> None:
         res.failures.append(f"{job.kind} got {r.status_code}: {r.text[:200]}")
         return
     body = r.json()
-    choice = body["choices"][0]
+    choices = body["choices"]
     completion = body["usage"]["completion_tokens"]
-    if completion < 1 or not choice.get("finish_reason"):
+    if (completion < 1 or len(choices) != job.n or not all(c.get("finish_reason") for c in choices)
+            or sorted(c["index"] for c in choices) != list(range(job.n))):
         res.failures.append(f"{job.kind} incomplete: {json.dumps(body)[:300]}")
+        return
+    if job.echo is not None and not choices[0]["text"].startswith(job.echo):
+        res.failures.append(f"{job.kind} does not echo its prompt: {json.dumps(body)[:300]}")
         return
     res.good += 1
     res.tokens += completion
@@ -117,7 +155,8 @@ async def check_stream(client: httpx.AsyncClient, job: Job, headers: dict[str, s
             await r.aread()
             res.failures.append(f"{job.kind} got {r.status_code}: {r.text[:200]}")
             return
-        finish, usage, done = None, None, False
+        finished: set[int] = set()
+        usage, done = None, False
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -130,10 +169,11 @@ async def check_stream(client: httpx.AsyncClient, job: Job, headers: dict[str, s
                 res.failures.append(f"{job.kind} error event: {data[:200]}")
                 return
             for choice in event["choices"]:
-                finish = choice.get("finish_reason") or finish
+                if choice.get("finish_reason"):
+                    finished.add(choice["index"])
             usage = event.get("usage") or usage
-    if not done or finish is None or usage is None or usage["completion_tokens"] < 1:
-        res.failures.append(f"{job.kind} stream incomplete: done={done} finish={finish} usage={usage}")
+    if not done or finished != set(range(job.n)) or usage is None or usage["completion_tokens"] < 1:
+        res.failures.append(f"{job.kind} stream incomplete: done={done} finished={finished} usage={usage}")
         return
     res.good += 1
     res.tokens += usage["completion_tokens"]
@@ -148,7 +188,10 @@ async def main_async(args: argparse.Namespace) -> int:
         r.raise_for_status()
         card = r.json()["data"][0]
         model, max_model_len = card["id"], int(card.get("max_model_len", 2048))
-        jobs = [good_job(i, model, args.max_tokens) for i in range(args.requests)]
+        features = ("plain",)
+        if args.features == "mix":
+            features = tuple(f for f in FEATURES if f != "json_schema" or args.structured)
+        jobs = [good_job(i, model, args.max_tokens, features) for i in range(args.requests)]
         jobs += [malformed_job(i, model, max_model_len) for i in range(args.malformed)]
         random.Random(args.seed).shuffle(jobs)
         queue: asyncio.Queue[Job] = asyncio.Queue()
@@ -198,6 +241,9 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     ap.add_argument("--total-timeout", type=float, default=900.0, help="seconds for the whole run")
     ap.add_argument("--allow-remote", action="store_true", help="allow a base URL that is not loopback")
+    ap.add_argument("--features", choices=("none", "mix"), default="none",
+                    help="mix: give the good requests sampling features in turn (see above)")
+    ap.add_argument("--structured", action="store_true", help="with --features mix: include JSON-schema outputs")
     args = ap.parse_args()
     host = urlparse(args.base_url).hostname or ""
     if not args.allow_remote and host not in ("127.0.0.1", "localhost", "::1"):

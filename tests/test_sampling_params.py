@@ -11,10 +11,17 @@ from rtp.errors import RequestError, RtpError
 from rtp.sampling import SamplingParams
 
 INVALID: list[tuple[str, Any]] = [
-    ("n", 2),
+    ("n", 129),
     ("n", 0),
     ("n", True),
     ("n", 1.0),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", math.nan),
+    ("repetition_penalty", 0.0),
+    ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {5: math.inf}),
+    ("allowed_token_ids", []),
+    ("prompt_logprobs", 21),
     ("temperature", -0.1),
     ("temperature", 100.5),
     ("temperature", math.nan),

@@ -141,6 +141,20 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._alloc())
 
+    def share(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Give ``child`` (holding nothing) the first ``num_blocks`` blocks of ``parent`` (ref counts +1).
+
+        Only full, computed blocks may be shared: their content never changes again.
+        """
+        assert not child.block_table, f"{child} already holds blocks"
+        assert num_blocks <= len(parent.block_table)
+        shared = parent.block_table[:num_blocks]
+        for block_id in shared:
+            self._take(block_id)
+        child.block_table = list(shared)
+        child.block_hashes = list(parent.block_hashes[:num_blocks])
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, num_blocks)
+
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (tail first, so the tail is evicted first)."""
         for block_id in reversed(seq.block_table):

@@ -14,6 +14,19 @@ Policy of one step, under a budget of ``max_num_batched_tokens`` query tokens:
    starves: the oldest running sequence always progresses, and everything it
    holds is freed when it finishes.
 
+n > 1 (see :meth:`Scheduler.postprocess`): the prompt is prefilled once, by
+the first sample. The step that samples its first token also samples the
+other samples' first tokens from the same logits (the engine does it), and
+each other sample becomes a *fork*: it shares the prompt's full KV blocks
+(reference counts) and recomputes only the tokens of the last, partial prompt
+block into a block of its own (fewer than ``block_size`` tokens, counted in
+``num_fork_tail_tokens``, not as prefill). Forks wait in their own queue,
+admitted before the waiting queue.
+
+Prompt logprobs: a sequence that wants them skips the prefix cache (every
+prompt position must be computed) and its chunks are listed in
+``plan.prompt_logprob_seq_ids``, so that the runner returns their logits.
+
 A sequence whose known tokens exceed the KV capacity (``num_blocks * block_size``)
 finishes with "length", like one that reaches ``max_model_len``: such a
 sequence could never run again, even alone.
@@ -110,6 +123,8 @@ class SchedulerStats:
     num_preemptions: int
     num_prefill_tokens_computed: int  # query tokens that were not single-token decodes
     num_decode_tokens: int  # single-token decode steps
+    num_prefills: int  # sequences whose prompt (re)computation completed (forks not counted)
+    num_fork_tail_tokens: int  # tokens forks (n > 1) computed before their first decode
 
 
 class Scheduler:
@@ -138,6 +153,9 @@ class Scheduler:
         self._prefix_hit_tokens = 0
         self._num_prefill_tokens = 0
         self._num_decode_tokens = 0
+        self._num_prefills = 0
+        self._num_fork_tail_tokens = 0
+        self._forked: deque[Sequence] = deque()  # forks holding shared blocks, not yet running
 
     # ------------------------------------------------------------------ requests
 
@@ -247,10 +265,25 @@ class Scheduler:
             sent[seq.seq_id] = (len(seq.token_ids), len(seq.block_table))
 
         admitted = ScheduleResult(plan)
+        while not preempted and self._forked and len(self.running) < cfg.max_num_seqs and budget > 0:
+            seq = self._forked[0]
+            computed = seq.num_computed_tokens
+            n = min(seq.num_tokens - computed, budget)
+            if bm.num_blocks_for(computed + n) - len(seq.block_table) > bm.num_free_blocks:
+                break
+            self._forked.popleft()
+            bm.append(seq, computed + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= n
+            admitted.add(seq, n)
+            plan.new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), list(seq.block_table), computed, n))
+            self._sent[seq.seq_id] = (seq.num_tokens, len(seq.block_table))
         # After a preemption the cache is short: admitting now would only thrash.
         while not preempted and self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq)
+            # Prompt logprobs need the logits of every prompt position: no prefix-cache hit.
+            cached = bm.find_cached_prefix(seq) if seq.prompt_logprobs_done else []
             num_cached = len(cached) * cfg.block_size
             n = min(seq.num_tokens - num_cached, budget)
             if not bm.can_allocate(cached, num_cached + n):
@@ -276,6 +309,9 @@ class Scheduler:
             )
             self._sent[seq.seq_id] = (seq.num_tokens, len(seq.block_table))
 
+        for seq in admitted.seqs + running.seqs:
+            if not seq.prompt_logprobs_done:
+                plan.prompt_logprob_seq_ids.append(seq.seq_id)
         result = ScheduleResult(
             plan,
             admitted.seqs + running.seqs,
@@ -290,11 +326,17 @@ class Scheduler:
         assert len(self.running) <= cfg.max_num_seqs
         return result
 
-    def postprocess(self, result: ScheduleResult, sampled_token_ids: list[int]) -> list[Sequence]:
+    def postprocess(
+        self, result: ScheduleResult, sampled_token_ids: list[int],
+        forks: dict[int, list[tuple[Sequence, int]]] | None = None,
+    ) -> list[Sequence]:
         """Apply a computed step: advance KV progress, cache full blocks, append tokens, finish.
 
         ``sampled_token_ids`` holds one token per scheduled sequence with
-        ``needs_sample``, in batch order. Returns the sequences that finished.
+        ``needs_sample``, in batch order. ``forks`` maps the id of a sequence
+        whose prompt was just computed to new sequences (holding nothing, same
+        prompt) and their first sampled token: each becomes a fork of it (see
+        the module docstring). Returns the sequences that finished (forks included).
         """
         expected = sum(result.needs_sample)
         if len(sampled_token_ids) != expected:
@@ -310,14 +352,24 @@ class Scheduler:
                 continue  # aborted or finished by the engine after schedule(): drop its result
             if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._num_decode_tokens += 1
+            elif seq.is_fork and seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._num_fork_tail_tokens += n
             else:
                 self._num_prefill_tokens += n
+                if seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + n:
+                    self._num_prefills += 1
             seq.num_computed_tokens += n
+            if not seq.prompt_logprobs_done and seq.num_computed_tokens >= seq.num_prompt_tokens - 1:
+                seq.prompt_logprobs_done = True  # the engine consumed this step's prompt logits
             assert seq.num_computed_tokens <= len(seq.block_table) * bs
             if caching and seq.num_computed_tokens // bs > seq.num_hashed_blocks:  # a block filled up
                 bm.cache_computed_blocks(seq)  # only now is the KV of these blocks real
             if token is None:
                 continue
+            if forks and seq.seq_id in forks:
+                for child, child_token in forks.pop(seq.seq_id):
+                    if self._fork(seq, child, child_token):
+                        finished.append(child)
             seq.append_token(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
@@ -331,7 +383,7 @@ class Scheduler:
         bm = self.block_manager
         free = bm.num_free_blocks
         return SchedulerStats(
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._forked),
             num_running=len(self.running),
             num_blocks=bm.num_blocks,
             num_free_blocks=free,
@@ -341,6 +393,8 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_prefill_tokens_computed=self._num_prefill_tokens,
             num_decode_tokens=self._num_decode_tokens,
+            num_prefills=self._num_prefills,
+            num_fork_tail_tokens=self._num_fork_tail_tokens,
         )
 
     # ------------------------------------------------------------------ internals
@@ -352,7 +406,7 @@ class Scheduler:
         num_completion = num_tokens - seq.num_prompt_tokens
         # Like vLLM's stop check: eos/stop tokens count only once min_tokens tokens exist.
         if num_completion >= p.min_tokens:
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in (p.stop_token_ids or ()):
                 return "stop"
         if p.max_tokens is not None and num_completion >= p.max_tokens:
             return "length"
@@ -361,6 +415,26 @@ class Scheduler:
         if num_tokens > self.capacity:  # the next step would need more KV slots than exist
             return "length"
         return None
+
+    def _fork(self, parent: Sequence, child: Sequence, token: int) -> bool:
+        """Make ``child`` a fork of ``parent``, whose prompt was just computed; True if it finished at once."""
+        assert not child.block_table and child.token_ids == parent.token_ids[: parent.num_prompt_tokens]
+        assert parent.num_computed_tokens >= parent.num_prompt_tokens, f"{parent} has not computed its prompt"
+        if child.seq_id in self._seqs:
+            raise RequestError(f"request id {child.seq_id} is already in use by an unfinished request")
+        full = parent.num_prompt_tokens // self.config.block_size
+        self.block_manager.share(parent, child, full)
+        child.num_computed_tokens = full * self.config.block_size
+        child.is_fork = True
+        child.status = SequenceStatus.WAITING
+        self._seqs[child.seq_id] = child
+        self._forked.append(child)
+        child.append_token(token)
+        reason = self._stop_reason(child, token)
+        if reason is not None:
+            self._finish(child, reason)
+            return True
+        return False
 
     def _release(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and tell the workers to drop their mirror of it."""
@@ -373,6 +447,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
+        seq.is_fork = False  # from now on it recomputes everything, like any preempted sequence
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self._num_preemptions += 1
@@ -383,7 +458,11 @@ class Scheduler:
             self.running.remove(seq)
             self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            if seq.is_fork and seq in self._forked:  # a fork not yet running holds shared blocks
+                self._forked.remove(seq)
+                self.block_manager.free(seq)
+            else:
+                self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]

@@ -143,6 +143,8 @@ class StepPlan:
     new_seqs: list[NewSeq] = field(default_factory=list)
     cached_seqs: CachedSeqs = field(default_factory=CachedSeqs)
     freed_seq_ids: list[int] = field(default_factory=list)  # finished, aborted or preempted
+    # Sequences of this step whose every chunk position needs logits (prompt logprobs), not only the last.
+    prompt_logprob_seq_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cached_seqs, CachedSeqs):
@@ -160,14 +162,15 @@ class StepPlan:
 # A message is a fixed header followed by flat little-endian arrays:
 #
 #   header  magic "RTPS" | version u8 | kind u8 | 7 count-dtype codes u8 | pad
-#           n_new u32 | n_cached u32 | n_freed u32
+#           n_new u32 | n_cached u32 | n_freed u32 | n_prompt_logprob u32
 #           totals u32 x4 (flat lengths: new tokens, new blocks, cached new
 #           tokens, cached new blocks) | body_len u32 | crc32 u32
 #   body    int32 arrays first (ids, token ids, block ids), so they stay
-#           4-byte aligned after the 52-byte header:
+#           4-byte aligned after the 56-byte header:
 #             new_seq_ids [n_new], new_tokens [tot0], new_blocks [tot1],
 #             cached_seq_ids [n_cached], cached_tokens [tot2],
-#             cached_blocks [tot3], freed_seq_ids [n_freed]
+#             cached_blocks [tot3], freed_seq_ids [n_freed],
+#             prompt_logprob_seq_ids [n_prompt_logprob]
 #           then the seven count arrays, each in the smallest encoding that
 #           holds this message's values (uniform / u8 / u16 / u32):
 #             new: token counts, block counts, num_computed, num_new [n_new]
@@ -176,13 +179,13 @@ class StepPlan:
 #
 # The crc32 covers the header (minus the crc field) and the body, so a
 # corrupted or truncated buffer is rejected instead of decoded into garbage.
-# A decode step of 256 sequences costs 52 + 256*4 (ids) + 256*4 (tokens) + 3*4
-# (three uniform count arrays) = 2112 bytes.
+# A decode step of 256 sequences costs 56 + 256*4 (ids) + 256*4 (tokens) + 3*4
+# (three uniform count arrays) = 2116 bytes.
 # ----------------------------------------------------------------------------
 
 _MAGIC = b"RTPS"
-WIRE_VERSION = 1
-_HEADER = struct.Struct("<4sBB7s3x9I")
+WIRE_VERSION = 2
+_HEADER = struct.Struct("<4sBB7s3x10I")
 _CRC_OFFSET = _HEADER.size - 4  # the crc32 is the last header field
 _INT32 = np.dtype("<i4")
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
@@ -190,7 +193,7 @@ _U32_MAX = 2**32 - 1
 
 # Count-array encodings. _UNIFORM stores one u32 that every element equals.
 _UNIFORM = 0
-_UINT_DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 3: np.dtype("<u4")}
+_UINT_DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 3: np.dtype("<u4")}
 _UINT_TYPECODES = {1: "B", 2: "H", 3: "I"}
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 assert array("i").itemsize == 4 and array("I").itemsize == 4 and array("H").itemsize == 2
@@ -261,6 +264,7 @@ def encode(plan: StepPlan) -> bytes:
         (cached.token_ids, "CachedSeq.new_token_ids"),
         (cached.block_ids, "CachedSeq.new_block_ids"),
         (plan.freed_seq_ids, "StepPlan.freed_seq_ids"),
+        (plan.prompt_logprob_seq_ids, "StepPlan.prompt_logprob_seq_ids"),
     ])
     counts = [
         _pack_counts([len(s.token_ids) for s in new], "len(NewSeq.token_ids)"),
@@ -277,7 +281,8 @@ def encode(plan: StepPlan) -> bytes:
             and totals[2] == len(cached.token_ids) and totals[3] == len(cached.block_ids)):
         raise StepFormatError("CachedSeqs columns are inconsistent: per-sequence columns differ in length, "
                               "or the counts do not sum to the flat token / block lists")
-    if max(totals + [len(new), len(cached), len(plan.freed_seq_ids)]) > _U32_MAX:
+    n_plp = len(plan.prompt_logprob_seq_ids)
+    if max(totals + [len(new), len(cached), len(plan.freed_seq_ids), n_plp]) > _U32_MAX:
         raise StepFormatError("a StepPlan array is longer than 2**32-1 elements")
     body = b"".join([ints, *(c[1] for c in counts)])
     header = _HEADER.pack(
@@ -288,6 +293,7 @@ def encode(plan: StepPlan) -> bytes:
         len(new),
         len(cached),
         len(plan.freed_seq_ids),
+        n_plp,
         *totals,
         len(body),
         0,
@@ -333,7 +339,7 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
     mv = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else memoryview(buf)
     if len(mv) < _HEADER.size:
         raise StepFormatError(f"StepPlan buffer too short: {len(mv)} bytes, the header alone is {_HEADER.size}")
-    magic, version, kind, codes, n_new, n_cached, n_freed, *totals, body_len, crc = _HEADER.unpack_from(mv)
+    magic, version, kind, codes, n_new, n_cached, n_freed, n_plp, *totals, body_len, crc = _HEADER.unpack_from(mv)
     if magic != _MAGIC:
         raise StepFormatError(f"not a StepPlan buffer: magic {magic!r}, expected {_MAGIC!r}")
     if version != WIRE_VERSION:
@@ -355,9 +361,11 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
 
     r = _Reader(mv, _HEADER.size)
     # The seven int32 arrays lie back to back: read them in one go, then cut.
-    int_lengths = [n_new, totals[0], totals[1], n_cached, totals[2], totals[3], n_freed]
+    int_lengths = [n_new, totals[0], totals[1], n_cached, totals[2], totals[3], n_freed, n_plp]
     ints = r.int32(sum(int_lengths), "the id, token and block arrays")
-    new_ids, new_tokens, new_blocks, cached_ids, cached_tokens, cached_blocks, freed = _split(ints, int_lengths)
+    new_ids, new_tokens, new_blocks, cached_ids, cached_tokens, cached_blocks, freed, plp = _split(
+        ints, int_lengths
+    )
     sizes = [n_new] * 4 + [n_cached] * 3
     c = [r.counts(code, n, f"count array {i}") for i, (code, n) in enumerate(zip(codes, sizes))]
     if r.pos != len(mv):
@@ -376,4 +384,5 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
     ]
     # Cached sequences stay in columns: a decode step builds no per-sequence objects.
     cached_seqs = CachedSeqs.from_columns(cached_ids, c[4], c[5], cached_tokens, c[6], cached_blocks)
-    return StepPlan(kind=step_kind, new_seqs=new_seqs, cached_seqs=cached_seqs, freed_seq_ids=freed)
+    return StepPlan(kind=step_kind, new_seqs=new_seqs, cached_seqs=cached_seqs, freed_seq_ids=freed,
+                    prompt_logprob_seq_ids=plp)

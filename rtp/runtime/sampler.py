@@ -1,9 +1,19 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, min-p and per-request seeds.
+"""Token sampling on rank 0: constraints, penalties, logit bias, greedy, temperature,
+top-k, top-p, min-p and per-request seeds.
 
 Every step runs as a handful of batched tensor ops on the logits' device. The
-filters apply in a fixed order:
+logits are processed in a fixed order (the order of vLLM):
 
-    temperature -> top-k -> top-p -> min-p
+    constraint mask -> allowed_token_ids -> bad_words -> min_tokens -> logit_bias
+    -> repetition, frequency, presence penalties -> temperature -> top-k -> top-p -> min-p
+
+Penalties follow vLLM's definitions: the repetition penalty ``r`` applies to
+every token of the prompt or the output so far (a positive logit is divided by
+``r``, a negative one multiplied); the frequency penalty is subtracted once per
+occurrence of the token in the output, the presence penalty once if it occurs
+in the output at all. Each penalised sequence keeps its output-token counts as
+a tensor (:class:`PenaltyState`), updated with the tokens added since the last
+step, so a step costs a few batched ops over the penalised rows only.
 
 * top-k keeps every token whose (scaled) logit is >= the k-th largest one, so
   tokens tied with the k-th are all kept and the result never depends on how a
@@ -27,14 +37,28 @@ never touched.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from rtp.log import get_logger
-from rtp.sampling import SamplingParams
+from rtp.sampling import SamplingParams, TokenConstraint
 
 logger = get_logger(__name__)
+
+
+@dataclass
+class PenaltyState:
+    """One sequence's token statistics for the penalties, kept between steps (on the logits' device)."""
+
+    output_counts: torch.Tensor | None = None
+    """[vocab] int32: occurrences of each token in the output counted so far."""
+    prompt_mask: torch.Tensor | None = None
+    """[vocab] bool: tokens occurring in the prompt."""
+    num_counted: int = 0
+    """Output tokens already in ``output_counts``."""
+
 
 @dataclass
 class SampleRow:
@@ -43,6 +67,15 @@ class SampleRow:
     params: SamplingParams
     num_generated: int
     """Tokens already generated for this sequence, before this step."""
+    token_ids: Sequence[int] = ()
+    """Prompt then generated tokens (needed only with penalties)."""
+    num_prompt_tokens: int = 0
+    penalty_state: PenaltyState | None = field(default=None, repr=False)
+    """Kept by the caller per sequence; needed only with penalties (created on first use if None)."""
+    constraint: TokenConstraint | None = field(default=None, repr=False)
+    """Structured-output constraint of this sequence, or None."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """``params.bad_words`` tokenized (see :func:`bad_words_token_ids`); needs ``token_ids``."""
 
 
 @dataclass
@@ -60,11 +93,27 @@ class SamplerOutput:
 def is_plain_greedy(params: SamplingParams) -> bool:
     """True when every token of a request with ``params`` is the plain argmax of its logits.
 
-    That is: greedy, no log-probabilities, and no ``min_tokens`` (so EOS and
-    stop tokens are never masked). A batch of such rows needs no
-    :class:`SampleRow` objects: :meth:`Sampler.sample_greedy` samples it.
+    That is: greedy, no log-probabilities, no ``min_tokens`` (so EOS and
+    stop tokens are never masked) and nothing else that changes the logits
+    (penalties, logit bias, allowed tokens, a constraint). A batch of such rows
+    needs no :class:`SampleRow` objects: :meth:`Sampler.sample_greedy` samples it.
     """
-    return params.greedy and params.logprobs is None and params.min_tokens == 0
+    return (
+        params.greedy and params.logprobs is None and params.min_tokens == 0 and not params.has_penalties
+        and not params.logit_bias and params.allowed_token_ids is None and params.constraint is None
+        and not params.bad_words
+    )
+
+
+def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:  # noqa: ANN001
+    """Token sequences of ``words`` as vLLM builds them: each word alone and after a space, deduplicated."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -152,7 +201,7 @@ class Sampler:
         """Sample one token for each row of ``logits`` ([num_rows, vocab], float)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         raw = logits.float()  # no copy when already float32; never modified in place
-        x = self._mask_min_tokens(raw, rows)
+        x = self.process_logits(raw, rows)
 
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
@@ -162,6 +211,19 @@ class Sampler:
 
         token_list = tokens.tolist()
         return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, rows, tokens, token_list))
+
+    def process_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Constraint and allowed-token masks, min_tokens, logit bias and penalties (before temperature).
+
+        ``logits`` is float ``[num_rows, vocab]`` and is not modified; rows that use none of these
+        cost nothing but a check of their params.
+        """
+        x = self._apply_constraints(logits, rows)
+        x = self._apply_allowed(x, rows)
+        x = self._apply_bad_words(x, rows)
+        x = self._mask_min_tokens(x, rows)
+        x = self._apply_logit_bias(x, rows)
+        return self._apply_penalties(x, rows)
 
     def sample_greedy(self, logits: torch.Tensor) -> SamplerOutput:
         """The argmax of each row of ``logits`` ([num_rows, vocab]), without log-probabilities.
@@ -182,7 +244,7 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.num_generated >= row.params.min_tokens:
                 continue
-            banned = {t for t in (*self.eos_token_ids, *row.params.stop_token_ids) if t < vocab}
+            banned = {t for t in (*self.eos_token_ids, *(row.params.stop_token_ids or ())) if t < vocab}
             row_idx.extend([i] * len(banned))
             col_idx.extend(banned)
         if not row_idx:
@@ -194,6 +256,126 @@ class Sampler:
         # banned token beats sampling from an empty distribution.
         alive = (masked > float("-inf")).any(dim=-1, keepdim=True)
         return torch.where(alive, masked, x)
+
+    @staticmethod
+    def _apply_constraints(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Set the tokens each row's constraint disallows to -inf (one batched masked_fill)."""
+        vocab = x.shape[1]
+        idx: list[int] = []
+        masks: list[torch.Tensor] = []
+        for i, row in enumerate(rows):
+            if row.constraint is None:
+                continue
+            allowed = row.constraint.allowed_tokens(vocab)
+            if allowed is None:
+                continue
+            idx.append(i)
+            masks.append(_allowed_to_bool(allowed.to(x.device), vocab))
+        if not idx:
+            return x
+        allowed_rows = torch.stack(masks)  # [C, vocab]
+        dead = ~allowed_rows.any(dim=-1)  # [C]
+        if bool(dead.any()):
+            logger.warning("a structured-output constraint allows no token: its row is left unconstrained")
+            allowed_rows[dead] = True
+        mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        mask[torch.tensor(idx, device=x.device)] = ~allowed_rows
+        return x.masked_fill(mask, float("-inf"))
+
+    @staticmethod
+    def _apply_allowed(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Keep only ``allowed_token_ids`` in the rows that set them."""
+        if all(r.params.allowed_token_ids is None for r in rows):
+            return x
+        vocab = x.shape[1]
+        row_idx: list[int] = []
+        col_idx: list[int] = []
+        for i, row in enumerate(rows):
+            allowed = row.params.allowed_token_ids
+            if allowed is None:
+                continue
+            cols = [t for t in allowed if t < vocab]
+            row_idx.extend([i] * len(cols))
+            col_idx.extend(cols)
+        restricted = torch.tensor([r.params.allowed_token_ids is not None for r in rows], device=x.device)
+        keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        if row_idx:
+            keep[torch.tensor(row_idx, device=x.device), torch.tensor(col_idx, device=x.device)] = True
+        return x.masked_fill(restricted[:, None] & ~keep, float("-inf"))
+
+    @staticmethod
+    def _apply_bad_words(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Ban the last token of every bad-word sequence whose other tokens end the output (one index_put)."""
+        vocab = x.shape[1]
+        row_idx: list[int] = []
+        col_idx: list[int] = []
+        for i, row in enumerate(rows):
+            if not row.bad_words_token_ids:
+                continue
+            end = row.num_prompt_tokens + row.num_generated
+            for ids in row.bad_words_token_ids:
+                k = len(ids) - 1  # tokens that must end the output
+                if ids[-1] >= vocab or k > row.num_generated:
+                    continue
+                if k == 0 or list(row.token_ids[end - k : end]) == ids[:-1]:
+                    row_idx.append(i)
+                    col_idx.append(ids[-1])
+        if not row_idx:
+            return x
+        dev = x.device
+        index = (torch.tensor(row_idx, device=dev), torch.tensor(col_idx, device=dev))
+        return x.index_put(index, torch.tensor(float("-inf"), device=dev))
+
+    @staticmethod
+    def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Add each row's logit_bias (one batched index_put)."""
+        vocab = x.shape[1]
+        row_idx: list[int] = []
+        col_idx: list[int] = []
+        vals: list[float] = []
+        for i, row in enumerate(rows):
+            bias = row.params.logit_bias
+            if not bias:
+                continue
+            for tok, b in bias.items():
+                if tok < vocab:
+                    row_idx.append(i)
+                    col_idx.append(tok)
+                    vals.append(b)
+        if not row_idx:
+            return x
+        dev = x.device
+        index = (torch.tensor(row_idx, device=dev), torch.tensor(col_idx, device=dev))
+        return x.index_put(index, torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+
+    @staticmethod
+    def _apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Repetition, frequency and presence penalties of the rows that use them (batched over those rows)."""
+        idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        if not idx:
+            return x
+        vocab, dev = x.shape[1], x.device
+        counts: list[torch.Tensor] = []
+        prompt_masks: list[torch.Tensor] = []
+        for i in idx:
+            row = rows[i]
+            state = row.penalty_state if row.penalty_state is not None else PenaltyState()
+            row.penalty_state = state
+            counts_i, prompt_mask_i = _update_penalty_state(state, row, vocab, dev)
+            counts.append(counts_i)
+            prompt_masks.append(prompt_mask_i)
+        index = torch.tensor(idx, device=dev)
+        sub = x[index]  # [P, vocab]
+        out_counts = torch.stack(counts).to(sub.dtype)  # [P, vocab]
+        seen = torch.stack(prompt_masks) | (out_counts > 0)  # [P, vocab]: in the prompt or the output
+        params = [rows[i].params for i in idx]
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
+        rep = torch.where(seen, rep, torch.ones_like(rep))
+        sub = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
+        return x.index_copy(0, index, sub)  # out of place: x may be the caller's logits
 
     def _sample_random(self, x: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
         """Tokens of a batch with at least one non-greedy row; greedy rows take the argmax."""
@@ -275,3 +457,37 @@ class Sampler:
             entry[token_list[i]] = sampled_lp[j]
             out[i] = entry
         return out
+
+
+def _allowed_to_bool(allowed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A [vocab] bool mask from a bool mask or a packed int32 bitmask (bit j of word i = token 32 i + j)."""
+    if allowed.dtype != torch.bool:
+        shifts = torch.arange(32, dtype=torch.int32, device=allowed.device)
+        words = allowed.to(torch.int32).reshape(-1)
+        allowed = ((words[:, None] >> shifts) & 1).reshape(-1).bool()  # [32 * words]
+    allowed = allowed.reshape(-1)
+    if allowed.numel() >= vocab:
+        return allowed[:vocab]
+    pad = torch.zeros(vocab - allowed.numel(), dtype=torch.bool, device=allowed.device)
+    return torch.cat([allowed, pad])
+
+
+def _update_penalty_state(
+    state: PenaltyState, row: SampleRow, vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bring ``state`` up to date with ``row``'s tokens (only the tokens added since the last call);
+    returns its (output counts, prompt mask)."""
+    if state.output_counts is None or state.output_counts.device != device or state.prompt_mask is None:
+        state.output_counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+        state.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        prompt = [t for t in row.token_ids[: row.num_prompt_tokens] if t < vocab]
+        if prompt:
+            state.prompt_mask[torch.tensor(prompt, device=device)] = True
+        state.num_counted = 0
+    start = row.num_prompt_tokens + state.num_counted
+    new = [t for t in row.token_ids[start : row.num_prompt_tokens + row.num_generated] if t < vocab]
+    if new:
+        ones = torch.ones(len(new), dtype=torch.int32, device=device)
+        state.output_counts.index_add_(0, torch.tensor(new, device=device), ones)
+    state.num_counted = row.num_generated
+    return state.output_counts, state.prompt_mask

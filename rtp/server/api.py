@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+and vLLM's /tokenize, /detokenize and /version.
 
 ``/openapi.json`` documents every route: the request bodies are the
 validating models of rtp.server.protocol, the responses and errors those of
@@ -40,12 +41,18 @@ from rtp.errors import RequestError, RtpError
 from rtp.log import get_logger
 from rtp.outputs import RequestOutput
 from rtp.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerShuttingDownError
+from rtp.server.chat_output import ChatOutput, ToolMode
 from rtp.server.metrics import ServerMetrics
 from rtp.server.protocol import (
+    TEMPLATE_RESERVED,
     ApiError,
     ChatCompletionRequest,
     CommonRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+    conversation,
     resolve_max_tokens,
     unsupported_hint,
 )
@@ -54,19 +61,24 @@ from rtp.server.schemas import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,
+    DetokenizeResponse,
     HealthResponse,
     ModelCard,
     ModelList,
+    TokenizeResponse,
+    VersionResponse,
     error_responses,
     install_openapi,
     sse_response,
 )
+from rtp.structured import GrammarCompileError, GrammarCompiler, GrammarSpec, StructuredOutputsUnavailable
 
 logger = get_logger(__name__)
 
 _T = TypeVar("_T")
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_GRAMMAR_TIMEOUT_S = 30.0  # a grammar that takes longer to compile is refused (400)
 # pydantic names union members in error locations ("prompt", "str"); they are no field names.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|literal\[.*|function-.*|.*\[.*\].*)$")
 
@@ -127,14 +139,15 @@ class _Tracker:
         self.last: RequestOutput | None = None
 
     def update(self, out: RequestOutput) -> None:
-        n, now = len(out.token_ids) - self.seen, time.monotonic()
+        total = out.num_completion_tokens  # every choice's tokens (n > 1)
+        n, now = total - self.seen, time.monotonic()
         if self.last_time is None:
             self.metrics.observe_first_tokens(n)
         else:
             self.metrics.observe_tokens(n, now - self.last_time)
         if n > 0:
             self.last_time = now
-        self.seen, self.last = len(out.token_ids), out
+        self.seen, self.last = total, out
 
     def done(self) -> None:
         reason = self.last.finish_reason if self.last is not None and self.last.finished else "abort"
@@ -155,10 +168,40 @@ class _Api:
         # keeps the tokenizer used by at most two threads at a time (this one and the engine's
         # detokenizer), as before, since a fast tokenizer is not safe to share more freely.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-tokenize")
+        # Grammars compile on a thread of their own (tens of ms for a JSON schema, more for a big one),
+        # so neither the event loop nor the tokenizer waits; the compiler is built on first use.
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-grammar")
+        self._grammar: GrammarCompiler | None = None
 
     def close(self) -> None:
-        """Stop the tokenizing thread (the app's lifespan ends)."""
+        """Stop the tokenizing and grammar threads (the app's lifespan ends)."""
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: GrammarSpec) -> Callable[[], Any]:
+        """The constraint factory of ``spec`` (on the grammar thread)."""
+        if self._grammar is None:
+            inner = self.engine.engine
+            runner_spec = getattr(getattr(inner, "runner", None), "spec", None)
+            vocab = getattr(runner_spec, "vocab_size", None) or len(self.tokenizer)
+            eos = list(getattr(inner, "eos_token_ids", None) or [self.tokenizer.eos_token_id])
+            self._grammar = GrammarCompiler(self.tokenizer, vocab, eos)
+        return self._grammar.constraint_factory(self._grammar.compile(spec), spec.kind)
+
+    async def constraint(self, spec: GrammarSpec | None) -> Callable[[], Any] | None:
+        """SamplingParams.constraint for ``spec`` (compiled off the loop, cached); 400 naming the field on failure."""
+        if spec is None:
+            return None
+        future = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self._compile, spec)
+        try:
+            return await asyncio.wait_for(future, _GRAMMAR_TIMEOUT_S)
+        except GrammarCompileError as e:
+            raise ApiError(400, str(e), e.field) from None
+        except StructuredOutputsUnavailable as e:
+            raise ApiError(400, str(e), spec.field) from None
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"{spec.field}: the grammar took more than {_GRAMMAR_TIMEOUT_S:.0f} s to compile",
+                           spec.field) from None
 
     async def off_loop(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:  # noqa: ANN401
         """Run ``fn(*args, **kwargs)`` on the tokenizing thread, so the event loop keeps serving."""
@@ -219,7 +262,8 @@ class _Api:
                            "model", "model_not_found")
 
     async def submit(self, req: CommonRequest, prompt: str | list[int], logprobs: int | None, prefix: str,
-                     prompt_param: str) -> tuple[RequestStream, list[int], str]:
+                     prompt_param: str, constraint: Callable[[], Any] | None = None
+                     ) -> tuple[RequestStream, list[int], str]:
         """Tokenize (off the loop), build SamplingParams and queue the request: (stream, prompt ids, request id)."""
         try:
             ids = await self.off_loop(self.engine.engine.tokenize, prompt)
@@ -227,6 +271,8 @@ class _Api:
             max_tokens = resolve_max_tokens(req.requested_max_tokens(), self.server, len(ids), self.max_model_len,
                                             req_param, prompt_param)
             params = req.sampling_params(max_tokens, logprobs)
+            if constraint is not None:
+                params.constraint = constraint
             rid = f"{prefix}-{uuid.uuid4().hex}"
             return self.engine.add_request(ids, params, rid), ids, rid
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
@@ -267,12 +313,29 @@ class _Api:
             first = build.first_chunk()
             if first is not None:
                 yield _sse(first)
+            choices: list[ResponseBuilder] = []  # n > 1: one builder per choice
+            sent: list[int] = []  # n > 1: tokens of each choice already sent
             async for out in stream:
                 start = tracker.seen
                 tracker.update(out)
-                chunk = build.chunk(out, start)
-                if chunk is not None:
-                    yield _sse(chunk)
+                if out.samples is None:
+                    chunk = build.chunk(out, start)
+                    if chunk is not None:
+                        yield _sse(chunk)
+                    continue
+                if not choices:
+                    choices = [build] + [build.for_choice(c.index) for c in out.samples[1:]]
+                    sent = [0] * len(out.samples)
+                    for b in choices[1:]:
+                        if (first := b.first_chunk()) is not None:
+                            yield _sse(first)
+                for i, c in enumerate(out.samples):
+                    if sent[i] < 0 or (not c.new_token_ids and not c.finished):
+                        continue  # finished and reported already, or unchanged in this step
+                    chunk = choices[i].chunk(c, sent[i], out)
+                    sent[i] = -1 if c.finished else len(c.token_ids)
+                    if chunk is not None:
+                        yield _sse(chunk)
             if include_usage and tracker.last is not None:
                 yield _sse(build.usage_chunk(tracker.last))
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
@@ -288,25 +351,50 @@ class _Api:
         req: CompletionRequest = await self.read_body(request, CompletionRequest)
         self.check_model(req)
         req.check_supported()
-        stream, ids, rid = await self.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt")
+        constraint = await self.constraint(req.grammar_spec())
+        stream, ids, rid = await self.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt", constraint)
         build = ResponseBuilder("text_completion", rid, self.model_name, self.tokenizer, len(ids), req.logprobs)
+        if req.echo:
+            prompt = req.prompt_value()
+            build.echo = prompt if isinstance(prompt, str) else await self.off_loop(self.tokenizer.decode, prompt)
         return await self.respond(request, req, stream, ids, build)
 
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = await self.read_body(request, ChatCompletionRequest)
         self.check_model(req)
         req.check_supported()
+        choice = req.effective_tool_choice()
+        auto_ok = self.server.enable_auto_tool_choice and self.server.tool_call_parser is not None
+        if choice == "auto" and req.tools and not auto_ok:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
+                                '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
+                                '"required" or a named function', "tool_choice")
+        mode: ToolMode = "named" if isinstance(choice, NamedToolChoice) else choice  # type: ignore[assignment]
+        text = await self.render_chat(req.conversation(), req.tool_dicts(), req.chat_template_kwargs, True)
+        constraint = await self.constraint(req.tool_grammar() or req.grammar_spec())
+        stream, ids, rid = await self.submit(req, text, req.num_logprobs(), "chatcmpl", "messages", constraint)
+        output = None
+        if self.server.reasoning_parser is not None or mode != "none":
+            output = ChatOutput(reasoning=self.server.reasoning_parser is not None, tool_mode=mode,
+                                tool_name=choice.function.name if isinstance(choice, NamedToolChoice) else None)
+        build = ResponseBuilder("chat.completion", rid, self.model_name, self.tokenizer, len(ids),
+                                req.num_logprobs(), output)
+        return await self.respond(request, req, stream, ids, build)
+
+    async def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> str:
+        """The chat template applied (off the loop); 400 when it rejects the messages."""
+        bad = sorted(set(kwargs or {}) & TEMPLATE_RESERVED)
+        if bad:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(bad)}: these are request fields or "
+                                "tokenizer arguments", "chat_template_kwargs")
         try:
-            text = await self.off_loop(self.tokenizer.apply_chat_template, req.conversation(),
-                                       add_generation_prompt=True, tokenize=False)
+            return await self.off_loop(self.tokenizer.apply_chat_template, conversation, tools=tools,
+                                       add_generation_prompt=add_generation_prompt, tokenize=False, **(kwargs or {}))
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors: the template rejected these messages
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
-        stream, ids, rid = await self.submit(req, text, req.num_logprobs(), "chatcmpl", "messages")
-        build = ResponseBuilder("chat.completion", rid, self.model_name, self.tokenizer, len(ids),
-                                req.num_logprobs())
-        return await self.respond(request, req, stream, ids, build)
 
     async def respond(self, request: Request, req: CommonRequest, stream: RequestStream, ids: list[int],
                       build: ResponseBuilder) -> Response:
@@ -331,6 +419,39 @@ class _Api:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rtp",
                 "max_model_len": self.max_model_len}
 
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template, to token ids."""
+        req: TokenizeRequest = await self.read_body(request, TokenizeRequest)
+        if req.model is not None:
+            self.check_model_name(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give either prompt or messages", "prompt")
+        if req.messages is not None:
+            add_special = bool(req.add_special_tokens)  # vLLM's default for messages: false
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text = await self.render_chat(conversation(req.messages), tools, req.chat_template_kwargs,
+                                          req.add_generation_prompt is not False)
+        else:
+            add_special = req.add_special_tokens is not False
+            text = req.prompt or ""
+        ids = await self.off_loop(self.tokenizer.encode, text, add_special_tokens=add_special)
+        strs = await self.off_loop(self.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize: token ids to text."""
+        req: DetokenizeRequest = await self.read_body(request, DetokenizeRequest)
+        if req.model is not None:
+            self.check_model_name(req.model)
+        size = len(self.tokenizer)
+        bad = [t for t in req.tokens if t >= size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is out of range: the tokenizer has {size} tokens", "tokens")
+        return {"prompt": await self.off_loop(self.tokenizer.decode, req.tokens)}
+
+    async def version(self) -> dict[str, Any]:
+        return {"version": _rtp_version()}
+
     async def health(self) -> Response:
         if self.engine.running:
             return JSONResponse({"status": "ok"})
@@ -340,6 +461,15 @@ class _Api:
     async def prometheus(self) -> Response:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
+
+
+def _rtp_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("rtp")
+    except Exception:  # noqa: BLE001 - not installed as a package (a plain checkout)
+        return "unknown"
 
 
 def _guard(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -395,10 +525,20 @@ def build_app(async_engine: AsyncEngine, config: RtpConfig, model_name: str) -> 
                       summary="Prometheus metrics", response_class=Response,
                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                                        "description": "Prometheus text format"}, **error_responses(401, 500)})
+    app.add_api_route("/tokenize", _guard(api.tokenize), methods=["POST"], dependencies=auth,
+                      summary="Tokenize a prompt or chat messages (vLLM's shape)", response_model=None,
+                      responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 404, 413, 500)})
+    app.add_api_route("/detokenize", _guard(api.detokenize), methods=["POST"], dependencies=auth,
+                      summary="Token ids to text (vLLM's shape)", response_model=None,
+                      responses={200: {"model": DetokenizeResponse}, **error_responses(400, 401, 404, 413, 500)})
+    app.add_api_route("/version", _guard(api.version), methods=["GET"], dependencies=auth,
+                      summary="The rtp version", response_model=None,
+                      responses={200: {"model": VersionResponse}, **error_responses(401, 500)})
     app.add_api_route("/health", api.health, methods=["GET"], summary="Liveness of the engine",
                       responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse,
                                                                         "description": "the engine is not serving"}})
-    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest},
                     stream_chunks=(ChatCompletionChunk,))
 
     def error_response(e: ApiError) -> JSONResponse:

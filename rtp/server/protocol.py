@@ -4,15 +4,17 @@ These models are both the validation that runs and the request schema that
 ``/openapi.json`` publishes (see rtp.server.schemas): a bound or a type
 changes in one place. Field names follow OpenAI's API; unknown fields are ignored as OpenAI does,
 but a known field of the wrong type is an error (strict mode: "5" is not an
-integer, true is not a number). Features rtp does not implement (n > 1,
-non-zero presence/frequency penalties, logit_bias, best_of > 1, echo, suffix,
-tools, JSON response formats) are rejected with a 400 rather than silently
+integer, true is not a number). Features rtp does not implement (best_of > 1,
+suffix, the legacy ``functions``) are rejected with a 400 rather than silently
 ignored, so a client never gets an answer to a question it did not ask; their
-fields admit only the supported value (``n`` at most 1, ``tools`` at most 0
-items...), so the published schema says so too, and :func:`unsupported_hint`
+fields admit only the supported value (``best_of`` at most 1, ``suffix`` empty
+...), so the published schema says so too, and :func:`unsupported_hint`
 turns such an error into a message that says what rtp supports.
 rtp extras (vLLM names): top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
-skip_special_tokens.
+skip_special_tokens, repetition_penalty, allowed_token_ids, prompt_logprobs (completions);
+structured outputs as ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` or the ``structured_outputs`` object (and OpenAI's ``response_format`` in chat);
+``chat_template_kwargs``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -31,7 +32,10 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from rtp.config import ServerConfig
+from rtp.errors import RequestError
 from rtp.sampling import SamplingParams
+from rtp.server.tools import parameters_schema, required_schema
+from rtp.structured import GrammarSpec
 
 
 class ApiError(Exception):
@@ -65,13 +69,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-def _require_bool(value: Any) -> Any:  # noqa: ANN401
-    """Strict booleans for Literal[False]: a Literal compares by ==, and 0 == False in Python."""
-    if value is not None and not isinstance(value, bool):
-        raise PydanticCustomError("bool_type", "Input should be a valid boolean")
-    return value
-
-
 # Pieces of the request schema, shared by the fields below.
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -87,6 +84,26 @@ class StreamOptions(_Strict):
     include_usage: bool = Field(default=False, description="send a last chunk with the usage and no choices")
 
 
+def _api_spec(make: Any, value: Any, field: str) -> GrammarSpec:  # noqa: ANN401
+    """``make(value, field)``, a GrammarCompileError becoming a 400 naming the field."""
+    try:
+        return make(value, field)
+    except RequestError as e:
+        raise ApiError(400, str(e), field) from None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` object: at most one of these constraints."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json", description="a JSON schema")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, description="an EBNF grammar (xgrammar's dialect)")
+    json_object: bool | None = Field(default=None, description="any JSON object")
+
+
 class CommonRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -94,14 +111,15 @@ class CommonRequest(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int | None = _unsupported("n=1 (rtp returns exactly one choice)", ge=1, le=1)
+    n: int | None = Field(default=None, ge=1, le=128, description="choices to generate (one shared prefill)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[NonEmptyText] | None = None  # "" means no stop string, as in SamplingParams
     seed: int | None = None
-    presence_penalty: float | None = _unsupported("0 (or leave it out)", ge=0.0, le=0.0)
-    frequency_penalty: float | None = _unsupported("0 (or leave it out)", ge=0.0, le=0.0)
-    logit_bias: dict[str, float] | None = _unsupported("{} (or leave it out)", max_length=0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id (as a string) -> bias in [-100, 100] added to its logit (clamped)")
     user: str | None = None
     # rtp extras with vLLM's names.
     top_k: int | None = Field(default=None, ge=-1)
@@ -110,18 +128,71 @@ class CommonRequest(_Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
+    bad_words: list[NonEmptyText] | None = None
+    # Structured outputs, vLLM's spellings: at most one constraint per request.
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="a JSON schema the output follows")
+    guided_regex: str | None = Field(default=None, description="a regular expression the output matches")
+    guided_choice: list[str] | None = Field(default=None, min_length=1, description="the output is one of these")
+    guided_grammar: str | None = Field(default=None, description="an EBNF grammar (xgrammar's dialect)")
+    structured_outputs: StructuredOutputs | None = None
 
     def check_supported(self) -> None:
         """Raise ApiError(400) for what the field types cannot say (combinations of fields)."""
+        self.grammar_spec()
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The request's output constraint, if any; ApiError(400) when it names more than one."""
+        found: list[GrammarSpec] = []
+        so = self.structured_outputs
+        sources = [("guided_", self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar, False)]
+        if so is not None:
+            sources.append(("structured_outputs.", so.json_, so.regex, so.choice, so.grammar, bool(so.json_object)))
+        for prefix, json_v, regex, choice, grammar, json_object in sources:
+            if json_object:
+                found.append(GrammarSpec("json_object", "", prefix + "json_object"))
+            if json_v is not None:
+                found.append(_api_spec(GrammarSpec.json_schema, json_v, prefix + "json"))
+            if regex is not None:
+                found.append(GrammarSpec("regex", regex, prefix + "regex"))
+            if choice is not None:
+                found.append(_api_spec(GrammarSpec.choice, choice, prefix + "choice"))
+            if grammar is not None:
+                found.append(GrammarSpec("grammar", grammar, prefix + "grammar"))
+        rf = getattr(self, "response_format", None)  # chat only
+        if rf is not None and rf.type == "json_object":
+            found.append(GrammarSpec("json_object", "", "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ApiError(400, 'response_format of type "json_schema" needs a json_schema object',
+                               "response_format.json_schema")
+            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {"type": "object"}
+            found.append(_api_spec(GrammarSpec.json_schema, schema, "response_format.json_schema.schema"))
+        if len(found) > 1:
+            raise ApiError(400, f"give one output constraint, not {len(found)}: "
+                                f"{', '.join(f.field for f in found)}", found[1].field)
+        return found[0] if found else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request; ``max_tokens`` was already resolved by the server."""
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs}
         for name in ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "min_tokens", "ignore_eos",
-                     "stop_token_ids", "skip_special_tokens"):
-            value = getattr(self, name)
+                     "stop_token_ids", "skip_special_tokens", "n", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs"):
+            value = getattr(self, name, None)
             if value is not None:
                 kwargs[name] = value
+        if self.logit_bias:
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                if not key.strip().isdigit():
+                    raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+                bias[int(key)] = value
+            kwargs["logit_bias"] = bias
+        if getattr(self, "echo", None) and logprobs is not None:
+            # echo + logprobs: the prompt's logprobs too, from the same forward pass.
+            kwargs["prompt_logprobs"] = max(logprobs, kwargs.get("prompt_logprobs") or 0)
         return SamplingParams(**kwargs)
 
     def requested_max_tokens(self) -> int | None:
@@ -137,7 +208,9 @@ class CompletionRequest(CommonRequest):
 
     prompt: Prompt = Field(description="one prompt: text, token ids, or a list holding exactly one of them")
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Annotated[Literal[False] | None, BeforeValidator(_require_bool)] = _unsupported("false (or leave it out)")
+    echo: bool | None = Field(default=None, description="return the prompt before the completion (with logprobs: "
+                                                          "the prompt tokens' logprobs too)")
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = _unsupported("1", ge=1, le=1)
     suffix: str | None = _unsupported('"" (or leave it out)', max_length=0)
 
@@ -170,12 +243,30 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    """The function an assistant message called: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallParam(_Strict):
+    """One tool call of an earlier assistant message."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    """One message of a conversation."""
+    """One message of a conversation (a ``tool`` message answers the call ``tool_call_id``)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -191,10 +282,47 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
-class ResponseFormat(_Strict):
-    """``{"type": "text"}``: structured output formats are not supported."""
+class JsonSchemaFormat(_Strict):
+    """The schema of ``response_format: {"type": "json_schema"}``."""
 
-    type: Literal["text"]
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = Field(default="response", description="a name for the schema")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="the JSON schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema`` (JSON following a schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(_Strict):
+    """A function the model may call."""
+
+    name: NonEmptyText
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: NonEmptyText
+
+
+class NamedToolChoice(_Strict):
+    """``{"type": "function", "function": {"name": ...}}``: the model must call this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(CommonRequest):
@@ -204,14 +332,50 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = _unsupported("[] (tool calling is not supported)", max_length=0)
-    functions: list[Any] | None = _unsupported("[] (tool calling is not supported)", max_length=0)
-    response_format: ResponseFormat | None = _unsupported('{"type": "text"}')
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description='"auto" (the default with tools), "none", "required" or a named function')
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = _unsupported("[] (use tools)", max_length=0)
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description='extra chat template variables, e.g. {"enable_thinking": false}')
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ApiError(400, f"tool_choice={_choice_name(choice)} needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if choice.function.name not in names:
+                raise ApiError(400, f"tool_choice names the function {choice.function.name!r}, which is not "
+                                    f"among the tools ({', '.join(names)})", "tool_choice.function.name")
+        if choice not in (None, "none", "auto") and self.grammar_spec() is not None:
+            raise ApiError(400, f"tool_choice={_choice_name(choice)} constrains the output itself: drop the "
+                                "other output constraint", "tool_choice")
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """The tool choice in force: "auto" with tools and no tool_choice (OpenAI's default), "none" without tools."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def tool_grammar(self) -> GrammarSpec | None:
+        """The grammar forcing a "required" or named tool choice (vLLM's way: a JSON schema)."""
+        choice, tools = self.tool_choice, [t.model_dump(exclude_none=True) for t in self.tools or []]
+        if choice == "required":
+            return _api_spec(GrammarSpec.json_schema, required_schema(tools), "tools")
+        if isinstance(choice, NamedToolChoice):
+            fn = next(t["function"] for t in tools if t["function"]["name"] == choice.function.name)
+            return _api_spec(GrammarSpec.json_schema, parameters_schema(fn), "tools")
+        return None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as chat-template input (OpenAI's shape)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are given.
@@ -220,10 +384,52 @@ class ChatCompletionRequest(CommonRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages as chat-template input ("developer" is OpenAI's newer name for "system")."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                for i, m in enumerate(self.messages)]
+    def conversation(self) -> list[dict[str, Any]]:
+        return conversation(self.messages)
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat-template input ("developer" is OpenAI's newer name for "system")."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
+            value = getattr(m, key)
+            if value is not None:
+                msg[key] = [c.model_dump() for c in value] if key == "tool_calls" else value
+        out.append(msg)
+    return out
+
+
+def _choice_name(choice: Any) -> str:  # noqa: ANN401
+    return repr(choice.function.name) if isinstance(choice, NamedToolChoice) else repr(choice)
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not override them.
+TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                               "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                               "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                               "tokenizer_kwargs"})
+
+
+class TokenizeRequest(_Strict):
+    """Body of POST /tokenize (vLLM's shape): either ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = Field(default=None, description="default true for prompt, false for messages")
+    add_generation_prompt: bool | None = Field(default=None, description="messages only; default true")
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Strict):
+    """Body of POST /detokenize (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 def resolve_max_tokens(requested: int | None, server: ServerConfig, num_prompt_tokens: int,

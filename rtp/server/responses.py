@@ -1,12 +1,14 @@
 """OpenAI response bodies built from RequestOutputs (plain dicts, serialized by the API layer).
 
-Shapes (one choice, index 0):
+Shapes (one choice per sample: ``n`` choices, index 0 to n-1; see :meth:`ResponseBuilder.for_choice`):
 
 - completion: ``{"id", "object": "text_completion", "created", "model",
   "choices": [{"index", "text", "logprobs", "finish_reason"}], "usage"}``;
   logprobs ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
 - chat: ``{"id", "object": "chat.completion", ..., "choices": [{"index",
-  "message": {"role": "assistant", "content"}, "logprobs", "finish_reason"}], "usage"}``;
+  "message": {"role": "assistant", "content"}, "logprobs", "finish_reason"}], "usage"}``; with a
+  ChatOutput (reasoning parser, tools) the message may add ``reasoning_content`` and ``tool_calls``
+  and the deltas likewise;
   logprobs ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
 - stream chunks: ``object`` "text_completion" / "chat.completion.chunk", the
   choice carries ``text`` / ``delta``; with ``include_usage`` a last chunk
@@ -14,35 +16,53 @@ Shapes (one choice, index 0):
 
 ``usage`` is ``{"prompt_tokens", "completion_tokens", "total_tokens",
 "prompt_tokens_details": {"cached_tokens"}}``; completion tokens count every
-generated token, the EOS or stop token included.
+generated token of every choice, the EOS or stop token included; the prompt counts once.
+
+Completions with ``echo``: the text starts with the prompt; with logprobs, the
+logprobs start with the prompt tokens' (the first one's logprob and top_logprobs
+are null, as OpenAI's), from the prompt logprobs of the same forward pass.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
-from rtp.outputs import RequestOutput
+from rtp.outputs import CompletionOutput, RequestOutput
+from rtp.server.chat_output import ChatOutput
 
 
 class ResponseBuilder:
     """Builds the bodies of one request. ``kind`` is "text_completion" or "chat.completion"."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer: Any, num_prompt_tokens: int,
-                 num_logprobs: int | None) -> None:
+                 num_logprobs: int | None, chat_output: ChatOutput | None = None) -> None:
         assert kind in ("text_completion", "chat.completion")
         self.chat = kind == "chat.completion"
+        # Chat only: how the text becomes the message (reasoning and tool calls); None: all content.
+        self.chat_output = chat_output
         self.request_id, self.model, self.tokenizer = request_id, model, tokenizer
         self.num_prompt_tokens, self.num_logprobs = num_prompt_tokens, num_logprobs
         self.created = int(time.time())
         self._text_offset = 0  # completions logprobs: characters of the tokens already reported
+        self.index = 0  # the choice index this builder writes
+        self.echo: str | None = None  # completions: the prompt text to echo before the completion
+        self._echo_sent = False
+
+    def for_choice(self, index: int) -> ResponseBuilder:
+        """A builder for choice ``index`` (n > 1), with its own offsets and chat parser; call on a fresh builder."""
+        b = copy.copy(self)
+        b.index, b._text_offset, b._echo_sent = index, 0, False
+        b.chat_output = copy.deepcopy(self.chat_output)
+        return b
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
     def usage(self, out: RequestOutput) -> dict[str, Any]:
-        completion = len(out.token_ids)
+        completion = out.num_completion_tokens
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.num_prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
@@ -60,7 +80,45 @@ class ResponseBuilder:
     def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
         return sorted(entry.items(), key=lambda kv: -kv[1])[: self.num_logprobs or 0]
 
-    def _logprobs(self, out: RequestOutput, start: int) -> dict[str, Any] | None:
+    def _top_dict(self, entry: dict[int, float]) -> dict[str, float]:
+        """Completions top_logprobs: text -> logprob; of two ids with the same text the likelier one wins."""
+        top: dict[str, float] = {}
+        for k, v in self._top(entry):
+            top.setdefault(self._token(k), self._finite(v))
+        return top
+
+    def _echo_logprobs(self, request: RequestOutput) -> tuple[dict[str, Any], int]:
+        """Completions logprobs of the prompt tokens (echo; the first token has none) and their text length."""
+        prompt_lp = request.prompt_logprobs or [None] * len(request.prompt_token_ids)
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0
+        for tid, entry in zip(request.prompt_token_ids, prompt_lp):
+            tok = self._token(tid)
+            tokens.append(tok)
+            token_logprobs.append(None if entry is None else self._finite(entry.get(tid)))
+            top = None if entry is None else self._top_dict(entry)
+            top_logprobs.append(top)
+            offsets.append(offset)
+            offset += len(tok)
+        return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                 "text_offset": offsets}, offset)
+
+    def _with_echo(self, choice: dict[str, Any], request: RequestOutput) -> None:
+        """Prefix the first completions choice this builder writes with the prompt."""
+        if self.echo is None or self._echo_sent or self.chat:
+            return
+        self._echo_sent = True
+        choice["text"] = self.echo + choice["text"]
+        if self.num_logprobs is None:
+            return
+        prompt, shift = self._echo_logprobs(request)
+        rest = choice.get("logprobs")
+        if rest is not None:  # the completion's offsets (counted from 0 so far) follow the prompt's
+            rest["text_offset"] = [o + shift for o in rest["text_offset"]]
+        self._text_offset += shift
+        choice["logprobs"] = prompt if rest is None else {k: prompt[k] + rest[k] for k in prompt}
+
+    def _logprobs(self, out: RequestOutput | CompletionOutput, start: int) -> dict[str, Any] | None:
         """Logprobs of the generated tokens ``start:`` (None when the request asked for none)."""
         if self.num_logprobs is None or out.logprobs is None:
             return None
@@ -79,7 +137,7 @@ class ResponseBuilder:
             tok = self._token(tid)
             tokens.append(tok)
             token_logprobs.append(self._finite(entry.get(tid)))
-            top_logprobs.append({self._token(k): self._finite(v) for k, v in self._top(entry)})
+            top_logprobs.append(self._top_dict(entry))
             offsets.append(self._text_offset)
             self._text_offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
@@ -88,38 +146,65 @@ class ResponseBuilder:
     # ---- bodies ----
 
     def full_response(self, out: RequestOutput) -> dict[str, Any]:
-        """The non-streaming response of a finished request."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
+        """The non-streaming response of a finished request: one choice per sample."""
+        if out.samples is None:
+            choices = [self._full_choice(out, out)]
+        else:
+            builders = [self.for_choice(c.index) for c in out.samples]
+            choices = [b._full_choice(c, out) for b, c in zip(builders, out.samples)]
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = self.usage(out)
+        return body
+
+    def _full_choice(self, out: RequestOutput | CompletionOutput, request: RequestOutput) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": self.index}
+        finish_reason = out.finish_reason
+        if self.chat and self.chat_output is not None:
+            choice["message"] = self.chat_output.message(out.text)
+            finish_reason = self.chat_output.finish_reason(finish_reason)
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
         choice["logprobs"] = self._logprobs(out, 0)
-        choice["finish_reason"] = out.finish_reason
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = self.usage(out)
-        return body
+        choice["finish_reason"] = finish_reason
+        self._with_echo(choice, request)
+        return choice
 
     def first_chunk(self) -> dict[str, Any] | None:
         """Chat streams open with the assistant role; completions have no opening chunk."""
         if not self.chat:
             return None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice])
 
-    def chunk(self, out: RequestOutput, start: int) -> dict[str, Any] | None:
-        """The chunk for tokens ``start:`` of ``out`` (None when it would carry nothing)."""
+    def chunk(self, out: RequestOutput | CompletionOutput, start: int,
+              request: RequestOutput | None = None) -> dict[str, Any] | None:
+        """The chunk for tokens ``start:`` of ``out`` (None when it would carry nothing).
+
+        ``out`` is the request's output, or one sample of it (n > 1) with ``request`` the request's.
+        """
+        request = request if request is not None else out  # type: ignore[assignment]
+        assert isinstance(request, RequestOutput)
         logprobs = self._logprobs(out, start) if len(out.token_ids) > start else None
-        if not out.new_text and not out.finished and logprobs is None:
+        echo_now = self.echo is not None and not self._echo_sent and not self.chat
+        if not out.new_text and not out.finished and logprobs is None and not echo_now:
             return None  # text held back (a partial character or stop string): nothing to send yet
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
+        choice: dict[str, Any] = {"index": self.index}
+        finish_reason = out.finish_reason
+        if self.chat and self.chat_output is not None:
+            choice["delta"] = self.chat_output.delta(out.new_text, out.finished)
+            if not choice["delta"] and not out.finished and logprobs is None:
+                return None  # held back (maybe part of a tag)
+            finish_reason = self.chat_output.finish_reason(finish_reason)
+        elif self.chat:
             choice["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
         else:
             choice["text"] = out.new_text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = out.finish_reason if out.finished else None
+        choice["finish_reason"] = finish_reason if out.finished else None
+        self._with_echo(choice, request)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:

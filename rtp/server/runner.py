@@ -20,7 +20,7 @@ from typing import Any
 import uvicorn
 
 from rtp.errors import RtpError
-from rtp.log import get_logger
+from rtp.log import RtpLogHandler, get_logger
 from rtp.server.api import build_app
 from rtp.server.async_engine import AsyncEngine
 
@@ -83,7 +83,7 @@ class _Server(uvicorn.Server):
 
 def _route_uvicorn_logs() -> None:
     """Send uvicorn's log lines through rtp's handler (same format, rank prefix)."""
-    handlers = [h for h in logging.getLogger("rtp").handlers if getattr(h, "_rtp", False)]
+    handlers = [h for h in logging.getLogger("rtp").handlers if isinstance(h, RtpLogHandler)]
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         log = logging.getLogger(name)
         log.handlers = list(handlers) if name == "uvicorn" else []

@@ -88,7 +88,7 @@ class ChatLogprobs(_Doc):
     content: list[ChatTokenLogprob]
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 # ---- completions ----
@@ -116,9 +116,22 @@ class CompletionResponse(_Doc):
 # ---- chat ----
 
 
+class FunctionCallOut(_Doc):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallOut(_Doc):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Doc):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null only beside tool_calls")
+    reasoning_content: str | None = Field(default=None, description="the think block (with --reasoning-parser)")
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Doc):
@@ -139,9 +152,25 @@ class ChatCompletionResponse(_Doc):
     usage: Usage
 
 
+class FunctionCallDelta(_Doc):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Doc):
+    """Part of a tool call: deltas with the same index concatenate (the first has id, type and name)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(_Doc):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Doc):
@@ -160,6 +189,24 @@ class ChatCompletionChunk(_Doc):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+# ---- tokenizer routes (vLLM's shapes) ----
+
+
+class TokenizeResponse(_Doc):
+    count: int = Field(ge=0)
+    max_model_len: int = Field(ge=1)
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Doc):
+    prompt: str
+
+
+class VersionResponse(_Doc):
+    version: str
 
 
 # ---- models and health ----

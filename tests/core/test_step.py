@@ -40,6 +40,7 @@ plans = st.builds(
     new_seqs=st.lists(new_seqs, max_size=6),
     cached_seqs=st.lists(cached_seqs, max_size=30),
     freed_seq_ids=st.lists(I32, max_size=8),
+    prompt_logprob_seq_ids=st.lists(I32, max_size=4),
 )
 
 
@@ -147,8 +148,8 @@ def test_structurally_inconsistent_buffer_is_rejected() -> None:
     plan = StepPlan(cached_seqs=[CachedSeq(1, 1, [4], []), CachedSeq(2, 1, [5, 6], [])])
     buf = bytearray(encode(plan))
     fields = list(step_mod._HEADER.unpack_from(buf))
-    # fields: magic, version, kind, codes, n_new, n_cached, n_freed, 4 totals, body_len, crc
-    fields[9] -= 1  # cached-token total no longer matches the per-seq counts...
+    # fields: magic, version, kind, codes, n_new, n_cached, n_freed, n_prompt_logprob, 4 totals, body_len, crc
+    fields[10] -= 1  # cached-token total no longer matches the per-seq counts...
     fields[6] += 1  # ...and the freed-id array absorbs the 4 bytes, so the length still adds up
     step_mod._HEADER.pack_into(buf, 0, *fields)
     with pytest.raises(StepFormatError, match="inconsistent"):

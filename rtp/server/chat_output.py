@@ -1,0 +1,94 @@
+"""The assistant message of a chat response: the generated text split into reasoning, content and tool calls.
+
+One :class:`ChatOutput` per request. ``reasoning`` turns on the ``<think>`` split
+(rtp.server.reasoning); ``tool_mode`` says how tool calls are read:
+
+- "none": no parsing, the text is content;
+- "auto": Qwen3's ``<tool_call>`` blocks (rtp.server.tools.parse_tool_calls);
+- "required": the output is a JSON list of ``{"name", "parameters"}`` (forced by a grammar);
+- "named": the output is the arguments of ``tool_name`` (forced by a grammar).
+
+A response with calls in "auto" or "required" mode ends with ``finish_reason: "tool_calls"``
+(OpenAI's; a named choice keeps "stop", as OpenAI does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from rtp.server.reasoning import ReasoningStream, split_reasoning
+from rtp.server.tools import ToolCall, ToolCallStream, parse_required, parse_tool_calls
+
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+class ChatOutput:
+    def __init__(self, reasoning: bool = False, tool_mode: ToolMode = "none", tool_name: str | None = None) -> None:
+        # A forced tool choice constrains the output from its first token: there is no think block to split.
+        self.reasoning = reasoning and tool_mode not in ("required", "named")
+        self.tool_mode, self.tool_name = tool_mode, tool_name
+        self.has_calls = False
+        self._reasoning_stream = ReasoningStream()
+        self._tool_stream = ToolCallStream()
+        self._named = ToolCall(tool_name or "", "")
+        self._required_text = ""
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.has_calls and self.tool_mode != "named" else reason
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The ``message`` of a finished, non-streamed response."""
+        msg: dict[str, Any] = {"role": "assistant"}
+        reasoning, content = split_reasoning(text) if self.reasoning else (None, text)
+        calls: list[ToolCall] = []
+        if self.tool_mode == "auto" and content is not None:
+            content, calls = parse_tool_calls(content)
+        elif self.tool_mode == "required":
+            calls = parse_required(text)
+            content = None if calls else text
+        elif self.tool_mode == "named":
+            calls, content = [ToolCall(self.tool_name or "", text)], None
+        msg["content"] = content if content is not None or calls else ""  # null only beside tool calls
+        if self.reasoning:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["tool_calls"] = [c.openai() for c in calls]
+            self.has_calls = True
+        return msg
+
+    def delta(self, new_text: str, final: bool) -> dict[str, Any]:
+        """The ``delta`` of a stream chunk for the newly generated text ({} when there is nothing to send yet)."""
+        out: dict[str, Any] = {}
+        content = new_text
+        if self.reasoning:
+            d = self._reasoning_stream.feed(new_text, final)
+            if d.reasoning:
+                out["reasoning_content"] = d.reasoning
+            content = d.content
+        if self.tool_mode == "named":
+            if not self.has_calls:  # the first chunk names the function
+                self.has_calls = True
+                out["tool_calls"] = [{**self._named.openai(0), "function": {"name": self._named.name,
+                                                                             "arguments": content}}]
+            elif content:
+                out["tool_calls"] = [{"index": 0, "function": {"arguments": content}}]
+            return out
+        if self.tool_mode == "required":
+            self._required_text += content
+            if final:
+                required = parse_required(self._required_text)
+                if required:
+                    self.has_calls = True
+                    out["tool_calls"] = [c.openai(i) for i, c in enumerate(required)]
+                elif self._required_text:
+                    out["content"] = self._required_text
+            return out
+        if self.tool_mode == "auto":
+            first = self._tool_stream.num_calls
+            content, found = self._tool_stream.feed(content, final)
+            if found:
+                self.has_calls = True
+                out["tool_calls"] = [c.openai(first + i) for i, c in enumerate(found)]
+        if content:
+            out["content"] = content
+        return out

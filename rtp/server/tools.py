@@ -1,0 +1,163 @@
+"""Tool calling: Qwen3's ``<tool_call>`` output parsed into OpenAI ``tool_calls``, and the grammars of
+``tool_choice`` "required" and a named function.
+
+Qwen3 (like Hermes) answers a call as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+one block per call, after any text. ``--enable-auto-tool-choice --tool-call-parser hermes`` (vLLM's
+flags; ``qwen3`` is accepted as the same parser) turns on :func:`parse_tool_calls` for
+``tool_choice: "auto"``. A forced choice does not depend on the model following that format: as in
+vLLM, the output is constrained by a JSON schema, the function's parameters for a named choice and
+a non-empty list of ``{"name", "parameters"}`` for "required" (:func:`required_schema`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+
+TOOL_CALL_PARSERS = ("hermes", "qwen3")
+
+_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=new_call_id)
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        """The OpenAI ``tool_calls`` entry (with ``index`` in a stream delta)."""
+        body: dict[str, Any] = {"id": self.id, "type": "function",
+                                "function": {"name": self.name, "arguments": self.arguments}}
+        return body if index is None else {"index": index, **body}
+
+
+def _arguments_text(value: Any) -> str:  # noqa: ANN401 - any JSON value
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def call_from_json(text: str, args_key: str = "arguments") -> ToolCall | None:
+    """A call from ``{"name": ..., "arguments": ...}`` text; None if it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("parameters" if args_key == "arguments" else "arguments", {}))
+    return ToolCall(obj["name"], _arguments_text(args))
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished output; content is the text before the first call.
+
+    A block that is not valid call JSON makes the whole output plain content with no calls
+    (the model did not call a tool after all), as in vLLM.
+    """
+    start = text.find(TOOL_CALL_START)
+    if start < 0:
+        return text or None, []
+    calls = []
+    for m in _BLOCK.finditer(text, start):
+        call = call_from_json((m.group(1) if m.group(1) is not None else m.group(2)).strip())
+        if call is None:
+            return text or None, []
+        calls.append(call)
+    content = text[:start]
+    return (content if content.strip() else None), calls
+
+
+def parse_required(text: str) -> list[ToolCall]:
+    """The calls of a ``tool_choice: "required"`` output (a JSON list, see :func:`required_schema`)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(items, list):
+        return []
+    calls = [call_from_json(json.dumps(x), "parameters") for x in items]
+    return [c for c in calls if c is not None]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallStream:
+    """Incremental :func:`parse_tool_calls`: content deltas until the first ``<tool_call>``, then one
+    complete call per closed block (OpenAI clients concatenate the deltas of a call by index)."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self.in_calls = False
+        self.num_calls = 0
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        text = self._held + delta
+        self._held = ""
+        content, calls = "", []
+        if not self.in_calls:
+            start = text.find(TOOL_CALL_START)
+            if start < 0:
+                keep = 0 if final else _partial_suffix(text, TOOL_CALL_START)
+                self._held = text[len(text) - keep:]
+                return text[: len(text) - keep], []
+            content, text, self.in_calls = text[:start], text[start:], True
+        while True:
+            start = text.find(TOOL_CALL_START)
+            end = text.find(TOOL_CALL_END, start + 1) if start >= 0 else -1
+            if start < 0 or end < 0:
+                break
+            block, text = text[start + len(TOOL_CALL_START):end], text[end + len(TOOL_CALL_END):]
+            call = call_from_json(block.strip())
+            if call is None:
+                content += TOOL_CALL_START + block + TOOL_CALL_END  # not a call: pass it on as text
+            else:
+                calls.append(call)
+        if final:
+            start = text.find(TOOL_CALL_START)
+            call = call_from_json(text[start + len(TOOL_CALL_START):].strip()) if start >= 0 else None
+            if call is not None:
+                calls.append(call)
+            elif text.strip():
+                content += text
+        else:
+            self._held = text
+        self.num_calls += len(calls)
+        return content, calls
+
+
+# ---- tool_choice grammars ----
+
+
+def function_of(tool: dict[str, Any]) -> dict[str, Any]:
+    """The ``function`` object of an OpenAI tool."""
+    fn = tool.get("function")
+    return fn if isinstance(fn, dict) else {}
+
+
+def parameters_schema(fn: dict[str, Any]) -> dict[str, Any]:
+    params = fn.get("parameters")
+    return params if isinstance(params, dict) and params else {"type": "object"}
+
+
+def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """JSON schema of a ``tool_choice: "required"`` answer: a non-empty list of calls of the given tools."""
+    variants = [{"type": "object",
+                 "properties": {"name": {"type": "string", "enum": [function_of(t).get("name")]},
+                                "parameters": parameters_schema(function_of(t))},
+                 "required": ["name", "parameters"], "additionalProperties": False}
+                for t in tools]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}

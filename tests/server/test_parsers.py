@@ -1,0 +1,126 @@
+"""The reasoning and tool-call parsers, and the assistant message built from them (no server).
+
+Expected splits are written by hand; the streaming parsers must agree with the non-streaming ones
+however the text is cut into deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from rtp.server.chat_output import ChatOutput
+from rtp.server.reasoning import ReasoningStream, split_reasoning
+from rtp.server.tools import ToolCallStream, parse_required, parse_tool_calls, required_schema
+
+REASONING_CASES = [
+    ("<think>\nplan it\n</think>\n\nthe answer", "plan it", "the answer"),
+    ("no think block at all", None, "no think block at all"),
+    ("<think>cut off by max_tokens", "cut off by max_tokens", None),
+    ("  <think>a</think>b", "a", "b"),
+    ("<think>\n\n</think>\n\nanswer <think> later", None, "answer <think> later"),  # enable_thinking=false shape
+    ("<thin", None, "<thin"),
+    ("\n\nhi", None, "\n\nhi"),
+    ("x</think>y", None, "x</think>y"),  # Qwen3 opens the block itself: no <think>, no reasoning
+    ("", None, None),
+]
+
+
+def random_pieces(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(len(text) + 1), k=min(rng.randint(0, 6), len(text) + 1)))
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("text,reasoning,content", REASONING_CASES)
+def test_reasoning_split_and_its_stream_agree(text, reasoning, content):
+    assert split_reasoning(text) == (reasoning, content)
+    rng = random.Random(text)
+    for _ in range(60):
+        pieces = random_pieces(text, rng) or [""]
+        stream, got_r, got_c = ReasoningStream(), "", ""
+        for i, piece in enumerate(pieces):
+            d = stream.feed(piece, final=i == len(pieces) - 1)
+            got_r, got_c = got_r + d.reasoning, got_c + d.content
+        assert (got_r or None, got_c or None) == (reasoning, content), pieces
+
+
+def test_reasoning_stream_holds_back_a_split_tag():
+    s = ReasoningStream()
+    d = s.feed("<thi")
+    assert (d.reasoning, d.content) == ("", "")  # might still become <think>
+    d = s.feed("nk>x")
+    assert (d.reasoning, d.content) == ("x", "")
+    s = ReasoningStream()
+    assert s.feed("<think>abc</th").reasoning == "abc"
+    d = s.feed("ink>\n\nrest")
+    assert (d.reasoning, d.content) == ("", "rest")
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL2 = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    (CALL, None, [("get_weather", {"city": "Paris"})]),
+    ("Let me check.\n" + CALL + "\n" + CALL2, "Let me check.\n",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("no calls here", "no calls here", []),
+    ('<tool_call>\n{"name": "f", "arguments": {"x": 1}}', None, [("f", {"x": 1})]),  # cut before </tool_call>
+    ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),  # not a call: plain content
+])
+def test_tool_call_parsing_and_its_stream_agree(text, content, calls):
+    got_content, got_calls = parse_tool_calls(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    rng = random.Random(text)
+    for _ in range(60):
+        pieces = random_pieces(text, rng) or [""]
+        stream, streamed_content, streamed = ToolCallStream(), "", []
+        for i, piece in enumerate(pieces):
+            c, found = stream.feed(piece, final=i == len(pieces) - 1)
+            streamed_content += c
+            streamed += found
+        assert [(c.name, json.loads(c.arguments)) for c in streamed] == calls, pieces
+        if calls:
+            assert streamed_content == (content or ""), pieces
+
+
+def test_required_schema_and_its_parser():
+    import jsonschema
+
+    tools = [{"type": "function", "function": {"name": "a", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+             {"type": "function", "function": {"name": "b"}}]
+    schema = required_schema(tools)
+    good = [{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]
+    jsonschema.validate(good, schema)
+    for bad in ([], [{"name": "c", "parameters": {}}], [{"name": "a", "parameters": {"x": "no"}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    calls = parse_required(json.dumps(good))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
+    assert parse_required("[{") == []
+
+
+def test_chat_output_messages_and_deltas():
+    text = "<think>\nhmm\n</think>\n\n" + CALL
+    msg = ChatOutput(reasoning=True, tool_mode="auto").message(text)
+    assert msg["reasoning_content"] == "hmm" and msg["content"] is None
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    out = ChatOutput(reasoning=True, tool_mode="auto")
+    deltas = [out.delta(text[:9], False), out.delta(text[9:40], False), out.delta(text[40:], True)]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "hmm"
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [c["index"] for c in calls] == [0] and calls[0]["function"]["name"] == "get_weather"
+    assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
+    # A named choice: the whole output is the arguments; the first delta names the function.
+    named = ChatOutput(reasoning=True, tool_mode="named", tool_name="get_weather")
+    first, second = named.delta('{"city": ', False), named.delta('"Rome"}', True)
+    assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": '}
+    assert second["tool_calls"] == [{"index": 0, "function": {"arguments": '"Rome"}'}}]
+    assert named.finish_reason("stop") == "stop"  # as OpenAI answers a forced function
+    # No parser: the text is the content, untouched.
+    assert ChatOutput().message("<think>x</think>y") == {"role": "assistant", "content": "<think>x</think>y"}

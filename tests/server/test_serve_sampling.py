@@ -1,0 +1,93 @@
+"""Sampling features through a TP=2 server and the official openai client: echo + logprobs against HF
+transformers, n > 1 against separate seeded requests (also streamed), penalties and logit_bias."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rtp.testing import default_model_dir
+from tests.server.test_serve_e2e import kill, launch, wait_ready
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve_sampling")
+    config = tmp / "cpu.yaml"
+    config.write_text(f"model: {default_model_dir()}\ndevice: cpu\ndtype: float32\nblock_size: 16\n"
+                      "max_num_seqs: 32\nmax_num_batched_tokens: 512\ncpu_kv_cache_gib: 0.1\nenforce_eager: true\n"
+                      "log_level: INFO\n")
+    server = launch(tmp, "sampling", config)
+    try:
+        wait_ready(server)
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        kill(server)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.mark.timeout(300)
+def test_echo_logprobs_equal_hf_log_softmax(client, model):
+    model_dir = default_model_dir()
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(PROMPT, add_special_tokens=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)  # [len, vocab]
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    choice = r.choices[0]
+    assert choice.text.startswith(PROMPT) and len(choice.text) > len(PROMPT)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-4, i
+        assert 1 <= len(lp.top_logprobs[i]) <= 2  # keyed by text: two ids may decode alike
+        assert abs(max(lp.top_logprobs[i].values()) - ref[i - 1].max().item()) < 1e-4
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[len(ids)] == len(PROMPT)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3
+
+
+@pytest.mark.timeout(300)
+def test_n_choices_equal_separate_seeded_requests_and_stream(client, model):
+    kw = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0}
+    r = client.completions.create(n=3, seed=7, **kw)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3
+    singles = [client.completions.create(seed=7 + i, **kw).choices[0].text for i in range(3)]
+    assert texts == singles
+    assert r.usage.completion_tokens == 24 and r.usage.total_tokens == r.usage.prompt_tokens + 24
+    streamed = ["", "", ""]
+    finished = [0, 0, 0]
+    for chunk in client.completions.create(n=3, seed=7, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            finished[c.index] += c.finish_reason is not None
+    assert streamed == texts and finished == [1, 1, 1]
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=2, seed=3,
+                                          max_tokens=6, temperature=1.0)
+    assert sorted(c.index for c in chat.choices) == [0, 1] and chat.usage.completion_tokens == 12
+
+
+@pytest.mark.timeout(300)
+def test_penalties_and_logit_bias(client, model):
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    forced = tok.encode(" fox", add_special_tokens=False)[0]
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=1.0,
+                                  logit_bias={str(forced): 100}, logprobs=0)
+    assert r.choices[0].text == tok.decode([forced] * 4)
+    base = {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    plain = client.completions.create(**base).choices[0].text
+    penalised = client.completions.create(presence_penalty=2.0, frequency_penalty=2.0,
+                                          extra_body={"repetition_penalty": 1.5}, **base).choices[0].text
+    assert plain != penalised
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, logit_bias={"99999999": 1})
