@@ -1,58 +1,16 @@
-r"""OpenAI-compatible HTTP server: rank 0 serves HTTP, every rank runs its shard of the model.
+"""OpenAI-compatible HTTP server; see rtp/entrypoints/serve.py (also: `rtp serve`).
 
-    torchrun --standalone --nproc-per-node 2 launch/serve.py --config configs/cpu.yaml \
-        [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+Run under torchrun from a checkout, as documented in the README::
 
-Command-line flags override the YAML's ``server:`` settings; ``--port 0``
-picks a free port. Rank 0 logs ``serving on http://HOST:PORT`` once it
-accepts requests. The API key may also come from the RTP_API_KEY environment
-variable (it then stays out of the process list). SIGTERM or Ctrl-C stops
-the server gracefully: running requests get ``server.shutdown_grace_s``
-seconds to finish, then the workers are shut down and the process exits 0.
+    torchrun --standalone --nproc-per-node 2 launch/serve.py --config configs/cpu.yaml ...
 """
 
-from __future__ import annotations
-
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import rtp  # noqa: E402
-from rtp.cli import add_common_args, fail  # noqa: E402
-from rtp.config import default_config_path, load_config  # noqa: E402
-from rtp.errors import RtpError  # noqa: E402
-from rtp.server import bind_socket, run_server  # noqa: E402
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap)
-    ap.add_argument("--host", help="address to listen on (overrides server.host)")
-    ap.add_argument("--port", type=int, help="TCP port, 0 for a free one (overrides server.port)")
-    ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $RTP_API_KEY, else none)")
-    ap.add_argument("--served-model-name", help="model name in the API (default: the model folder's name)")
-    ap.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
-    args = ap.parse_args()
-    rank = int(os.environ.get("RANK", "0"))
-    server = {"host": args.host, "port": args.port, "api_key": args.api_key or os.environ.get("RTP_API_KEY") or None,
-              "served_model_name": args.served_model_name}
-    sock = None
-    try:
-        config = load_config(args.config or default_config_path(), model=args.model, server=server)
-        if rank == 0:
-            # Claim the port before loading the model: a busy port fails in a second, not after the load.
-            sock = bind_socket(config.server.host, config.server.port)
-        runtime = rtp.init(config)  # worker ranks serve inside and exit there
-        return run_server(runtime, sock, access_log=args.access_log)
-    except RtpError as e:
-        return fail(e)
-    finally:
-        if sock is not None:
-            sock.close()
-        rtp.shutdown()
-
+from rtp.entrypoints.serve import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,8 +31,8 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
     keyword ``overrides`` replace top-level keys (None values are ignored).
     """
     global _current
+    from rtp.assets import trained_model_dir
     from rtp.runtime.coordinator import start
-    from rtp.testing import default_model_dir
 
     if _current is not None:
         raise RtpError("rtp.init() was already called; call rtp.shutdown() first")
@@ -40,7 +40,7 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
         config = load_config(config if config is not None else default_config_path(), **overrides)
     elif overrides:
         config = load_config(None, **{**dataclasses.asdict(config), **overrides})
-    model_dir = Path(config.model) if config.model else default_model_dir()
+    model_dir = Path(config.model) if config.model else trained_model_dir()
     if not (model_dir / "config.json").is_file():
         raise ConfigError(
             f"model={str(model_dir)!r} is not a Hugging Face checkpoint folder (no config.json there); "

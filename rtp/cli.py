@@ -1,4 +1,4 @@
-"""Helpers shared by the launch/ entry points (the only place besides scripts/ that prints)."""
+"""Helpers shared by the entry points (rtp/entrypoints, run by launch/ and the rtp command), which may print."""
 
 from __future__ import annotations
 

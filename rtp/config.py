@@ -55,6 +55,12 @@ class ServerConfig:
     """max_tokens used when a request gives none; at most max_tokens_limit."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM, seconds that running requests may take to finish before they are aborted."""
+    reasoning_parser: str | None = None
+    """"qwen3" splits chat outputs' <think>...</think> into reasoning_content (vLLM's --reasoning-parser)."""
+    tool_call_parser: str | None = None
+    """"hermes" (or its alias "qwen3") parses <tool_call> blocks into tool_calls (vLLM's --tool-call-parser)."""
+    enable_auto_tool_choice: bool = False
+    """Allow tool_choice "auto" (the default with tools); needs tool_call_parser, as in vLLM."""
 
     def __post_init__(self) -> None:
         _validate_instance(self)
@@ -65,7 +71,7 @@ class RtpConfig:
     """Everything a run needs besides the prompts: model, parallelism, memory, scheduling."""
 
     model: str | None = None
-    """Hugging Face checkpoint folder; None means the embedded tiny default model (built on first use)."""
+    """Hugging Face checkpoint folder; None means the small trained Qwen3 shipped in ``rtp/assets``."""
     tensor_parallel_size: int | None = None
     """Number of ranks a model is split over; None means torchrun's WORLD_SIZE (GPU topology files fix it)."""
     device: str = "auto"
@@ -169,6 +175,10 @@ _RULES: dict[type, dict[str, _Rule]] = {
         "max_tokens_limit": _int(1),
         "default_max_tokens": _int(1),
         "shutdown_grace_s": _Rule("float", "a number in [0, 86400]", lambda v: 0.0 <= v <= 86400.0),
+        "reasoning_parser": _Rule("choice", "qwen3 or null", choices=("qwen3",), nullable=True),
+        "tool_call_parser": _Rule("choice", "one of hermes, qwen3 or null", choices=("hermes", "qwen3"),
+                                  nullable=True),
+        "enable_auto_tool_choice": _BOOL,
     },
     RtpConfig: {
         "model": _str("a checkpoint folder path", nullable=True),
@@ -330,7 +340,11 @@ def _validate_instance(obj: Any) -> None:
 
 
 def _field_default(f: Field[Any]) -> Any:
-    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+    if f.default is not MISSING:
+        return f.default
+    if callable(f.default_factory):
+        return f.default_factory()
+    raise TypeError(f"config field {f.name} has no default")
 
 
 # --------------------------------------------------------------------------- loading

@@ -23,6 +23,10 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
+class RtpLogHandler(logging.StreamHandler):
+    """The handler setup_logging installs (replaced, not duplicated, when it is called again)."""
+
+
 def setup_logging(rank: int = 0, level: str = "INFO") -> None:
     """Configure the ``rtp`` logger tree for this process.
 
@@ -32,11 +36,10 @@ def setup_logging(rank: int = 0, level: str = "INFO") -> None:
     root = logging.getLogger("rtp")
     effective = getattr(logging, level.upper()) if rank == 0 else max(logging.WARNING, getattr(logging, level.upper()))
     root.setLevel(effective)
-    for handler in list(root.handlers):
-        if getattr(handler, "_rtp", False):
-            root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
-    handler._rtp = True  # type: ignore[attr-defined]
+    for old in list(root.handlers):
+        if isinstance(old, RtpLogHandler):
+            root.removeHandler(old)
+    handler = RtpLogHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
     handler.addFilter(_RankFilter(rank))
     root.addHandler(handler)

@@ -32,12 +32,19 @@ logger = get_logger(__name__)
 
 # Bump when the files written for the same spec change, so that cached default
 # models built by an older rtp are not reused.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: Qwen3's thinking and tool-call tokens, a Qwen3-style chat template
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Qwen3's markup tokens: added tokens (one id each, never split) that are not "special" in HF's sense,
+# so decoding with skip_special_tokens=True keeps them in the text, where the reasoning and tool-call
+# parsers find them. Ids follow the special tokens, in this order.
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
+MARKUP_TOKENS = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END, THINK_START, THINK_END)
 
 # Number of BPE tokens (256 byte symbols + learned merges) before the specials.
 _BPE_VOCAB_SIZE = 445
@@ -50,12 +57,66 @@ _SPLIT_PATTERN = (
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-# Qwen-style chat template: <|im_start|>role\ncontent<|im_end|>\n per message.
+# Chat template with Qwen3's structure and tokens (written for rtp):
+# - a system turn first when there is a system message or tools; tools are listed one JSON object per
+#   line inside <tools></tools>, with the instruction to answer calls as <tool_call>{"name", "arguments"}</tool_call>;
+# - assistant turns: earlier turns drop their reasoning; the turns after the last user query keep it as a
+#   <think>...</think> block (the message's reasoning_content); tool calls follow the content, one
+#   <tool_call> block each;
+# - consecutive role "tool" messages become one user turn of <tool_response> blocks;
+# - the generation prompt opens the assistant turn; enable_thinking=false adds an empty think block, which
+#   tells Qwen3 to answer without reasoning.
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages|reverse %}"
+    "{%- if ns.last_query < 0 and m.role == 'user' and not (m.content is string"
+    " and m.content.startswith('<tool_response>')) %}{%- set ns.last_query = messages|length - 1 - loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nThese functions are available; their signatures are listed inside <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, answer with one JSON object per call, holding the function name and'"
+    " ' its arguments, inside <tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>,'"
+    " ' \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- set content = m.content if m.content is string else '' %}"
+    "{%- if m.role == 'system' %}"
+    "{%- if not loop.first %}{{- '<|im_start|>system\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif m.role == 'user' %}"
+    "{{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' %}"
+    "{%- if not reasoning and '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.last_query and (reasoning or loop.last) %}"
+    "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- content }}"
+    "{%- for call in m.tool_calls or [] %}"
+    "{%- set f = call.function if call.function is defined else call %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
+    "{{- f.arguments if f.arguments is string else (f.arguments | tojson) }}"
+    "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 # Training text for the tokenizer. Plain everyday English, so that common words
@@ -157,7 +218,8 @@ def build_tokenizer() -> Tokenizer:
     """Train the byte-level BPE tokenizer on the embedded corpus (deterministic).
 
     The first 256 ids are the byte symbols, then come the learned merges, then the three
-    special tokens. Any Unicode text round-trips because every byte has a symbol.
+    special tokens, then Qwen3's markup tokens (MARKUP_TOKENS). Any Unicode text round-trips
+    because every byte has a symbol.
     """
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
@@ -178,6 +240,7 @@ def build_tokenizer() -> Tokenizer:
     )
     tok.train_from_iterator([_CORPUS], trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     return tok
 
 
@@ -396,6 +459,10 @@ def _write_configs(out: Path, spec: TinyQwen3Spec, dtype: torch.dtype, tok: Toke
             str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                       "single_word": False, "special": True}
             for t in SPECIAL_TOKENS
+        } | {
+            str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                      "single_word": False, "special": False}
+            for t in MARKUP_TOKENS
         },
         "additional_special_tokens": [IM_START, IM_END],
         "bos_token": None,
@@ -440,7 +507,7 @@ def spec_digest(spec: TinyQwen3Spec, dtype: torch.dtype = torch.float32) -> str:
 
 
 def default_model_dir(cache_root: str | Path | None = None) -> Path:
-    """The embedded default model, built on first use into a cache folder.
+    """The random tiny Qwen3 the tests use (not rtp's default model: that is rtp.assets'), built on first use.
 
     The folder lives under ``cache_root``, else ``$RTP_CACHE_DIR``, else
     ``~/.cache/rtp``. Safe when several processes (torchrun ranks) call it at

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a local virtualenv (first run only) and generate a few completions with
-# the embedded tiny Qwen3 on two CPU ranks. Extra arguments go to launch/generate.py, e.g. a tiny
+# the small shipped Qwen3 (trained on Shakespeare, rtp/assets/) on two CPU ranks. Extra arguments go to launch/generate.py, e.g. a tiny
 # Qwen3-MoE: python scripts/make_tiny_qwen3.py /tmp/tiny-moe --moe && scripts/demo.sh --model /tmp/tiny-moe
 set -euo pipefail
 cd "$(dirname "$0")/.."

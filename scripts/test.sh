@@ -12,4 +12,5 @@ VENV="${RTP_VENV:-.venv}"
 # One BLAS thread per process: torchrun tests start several ranks on few cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$VENV/bin/ruff" check --quiet rtp launch scripts tests
+"$VENV/bin/mypy"  # rtp/, configured in setup.cfg; any error fails the run
 exec "$VENV/bin/python" -m pytest "$@"

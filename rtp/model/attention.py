@@ -103,16 +103,16 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
-        has_cache = meta.block_tables is not None and self.k_cache.numel() > 0
-        if has_cache:
+        tables = meta.block_tables if self.k_cache.numel() > 0 else None  # None: no cache (profiling run)
+        if tables is not None:
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if self.backend == "flash":
-            return self._flash(q, k, v, meta, has_cache)
-        if self.backend == "triton" and has_cache:
-            return self._triton(q, meta)
-        if self.backend == "cpu" and has_cache:
-            return self._cpu(q, k, v, meta)
-        return self._torch(q, k, v, meta, has_cache)
+            return self._flash(q, k, v, meta, tables is not None)
+        if self.backend == "triton" and tables is not None:
+            return self._triton(q, meta, tables)
+        if self.backend == "cpu" and tables is not None:
+            return self._cpu(q, k, v, meta, tables)
+        return self._torch(q, k, v, meta, tables)
 
     def _flash(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, has_cache: bool
@@ -133,45 +133,45 @@ class PagedAttention(nn.Module):
             meta.max_seqlen_k, softmax_scale=self.scale, causal=True, block_table=meta.block_tables,
         )
 
-    def _triton(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    def _triton(self, q: torch.Tensor, meta: AttnMetadata, tables: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D] -> [T, Hq, D]; reads only device tensors (no host sync: graph-capturable decode)
         if meta.decode_only:
-            return paged_decode_attention(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
-            )
+            return paged_decode_attention(q, self.k_cache, self.v_cache, tables, meta.context_lens, self.scale)
         return paged_prefill_attention(
-            q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale
+            q, self.k_cache, self.v_cache, tables, meta.cu_seqlens_q, meta.context_lens, self.scale
         )
 
-    def _cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    def _cpu(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, tables: torch.Tensor
+    ) -> torch.Tensor:
         # Decode rows go through the C++ kernel in one call; prompt chunks through the torch path.
         if meta.decode_only:
             return cpu_attention.paged_decode_attention_cpu(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
+                q, self.k_cache, self.v_cache, tables, meta.context_lens, self.scale
             )
         decode = [i for i, (n, kn) in enumerate(zip(meta.q_lens, meta.k_lens)) if n == 1 and kn > 1]
         if len(decode) < 2:
-            return self._torch(q, k, v, meta, True)
+            return self._torch(q, k, v, meta, tables)
         out = paged_prefill_attention_reference(
-            q, self.k_cache, self.v_cache, meta.q_lens, meta.k_lens, self.scale, meta.block_tables, set(decode)
+            q, self.k_cache, self.v_cache, meta.q_lens, meta.k_lens, self.scale, tables, set(decode)
         )
         seqs = torch.tensor(decode, device=q.device)
         rows = meta.cu_seqlens_q[:-1].long()[seqs]  # [n_decode]: each decode row's place in the flat batch
         out[rows] = cpu_attention.paged_decode_attention_cpu(
-            q[rows], self.k_cache, self.v_cache, meta.block_tables[seqs], meta.context_lens[seqs], self.scale
+            q[rows], self.k_cache, self.v_cache, tables[seqs], meta.context_lens[seqs], self.scale
         )
         return out
 
     def _torch(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, has_cache: bool
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, tables: torch.Tensor | None
     ) -> torch.Tensor:
-        if not has_cache or list(meta.q_lens) == list(meta.k_lens):
+        if tables is None or list(meta.q_lens) == list(meta.k_lens):
             # Every sequence is a whole prompt: this step's own k/v [T, Hkv, D] hold all its keys.
             return paged_prefill_attention_reference(q, k, v, meta.q_lens, meta.q_lens, self.scale)
         if meta.decode_only:
             return paged_decode_attention_reference(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.max_seqlen_k, self.scale
+                q, self.k_cache, self.v_cache, tables, meta.context_lens, meta.max_seqlen_k, self.scale
             )
         return paged_prefill_attention_reference(
-            q, self.k_cache, self.v_cache, meta.q_lens, meta.k_lens, self.scale, meta.block_tables
+            q, self.k_cache, self.v_cache, meta.q_lens, meta.k_lens, self.scale, tables
         )

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtp.distributed.parallel import ParallelState
-from rtp.model.linear import PackableLinear, _copy
+from rtp.model.linear import PackableLinear, _copy, frozen_param
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -25,8 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         padded = -(-vocab_size // ps.tp_size) * ps.tp_size
         self.vocab_local = padded // ps.tp_size
         self.vocab_start = ps.tp_rank * self.vocab_local
-        self.weight = nn.Parameter(torch.zeros(self.vocab_local, dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight = frozen_param(torch.zeros(self.vocab_local, dim), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:  # noqa: ANN001
         # The last rank may own fewer real rows than vocab_local; the rest stay zero.

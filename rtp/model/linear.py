@@ -13,6 +13,8 @@ and the plain copy is dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,16 @@ def divide(numerator: int, denominator: int, what: str) -> int:
             f"choose a TP size that divides {numerator}"
         )
     return numerator // denominator
+
+
+_LOADER_ATTR = "weight_loader"  # read back by rtp.model.loader with getattr
+
+
+def frozen_param(data: torch.Tensor, loader: Callable[..., None]) -> nn.Parameter:
+    """A parameter without gradient that carries the ``weight_loader`` the checkpoint loader calls."""
+    param = nn.Parameter(data, requires_grad=False)
+    setattr(param, _LOADER_ATTR, loader)
+    return param
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -99,12 +111,10 @@ class ColumnParallelLinear(PackableLinear):
         super().__init__()
         self.ps = ps
         self.out_local = divide(out_features, ps.tp_size, "output features")
-        self.weight = nn.Parameter(torch.empty(self.out_local, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight = frozen_param(torch.empty(self.out_local, in_features), self.weight_loader)
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_local), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias = frozen_param(torch.empty(self.out_local), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:  # noqa: ANN001
         start = self.ps.tp_rank * param.shape[0]
@@ -176,13 +186,11 @@ class RowParallelLinear(PackableLinear):
         super().__init__()
         self.ps = ps
         self.in_local = divide(in_features, ps.tp_size, "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight = frozen_param(torch.empty(out_features, self.in_local), self.weight_loader)
         self.bias = None
         if bias:
             # The bias is added once, after the reduction.
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = load_full
+            self.bias = frozen_param(torch.empty(out_features), load_full)
 
     def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:  # noqa: ANN001
         start = self.ps.tp_rank * self.in_local

@@ -3,16 +3,25 @@
 Tensors are opened with ``safe_open(...).get_slice(name)`` and each
 parameter's ``weight_loader`` reads just the rows/columns its rank owns, so a
 rank never materialises a whole sharded tensor.
+
+Rank 0 shows a progress bar (checkpoint bytes per second, on stderr, only on a terminal and for
+checkpoints of at least ``PROGRESS_MIN_BYTES``); every rank logs a one-line summary (GB, s, GB/s).
 """
 
 from __future__ import annotations
 
 import json
+import struct
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from rtp.errors import CheckpointError
 from rtp.log import get_logger
@@ -28,6 +37,12 @@ class LoadReport:
 
     tensors: int = 0
     bytes_read: int = 0  # bytes of the slices this rank copied out of the files
+    checkpoint_bytes: int = 0  # bytes of every tensor in the files (what the progress bar counts)
+    seconds: float = 0.0
+
+
+# A smaller checkpoint loads too fast for a progress bar to be worth its lines.
+PROGRESS_MIN_BYTES = 64 * 2**20
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -46,48 +61,91 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path) -> LoadReport:
+def tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor in a safetensors file, from its header alone (no tensor is read)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        return {name: int(e["data_offsets"][1]) - int(e["data_offsets"][0])
+                for name, e in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progress: bool = False,
+                 on_progress: Callable[[int], None] | None = None) -> LoadReport:
     """Copy this rank's slice of every checkpoint tensor into ``model``.
 
     A missing tensor, an unexpected one, or one of the wrong full shape raises
-    :class:`CheckpointError` naming it.
+    :class:`CheckpointError` naming it. ``show_progress`` (rank 0) draws a bar of
+    the checkpoint's bytes on stderr; ``on_progress(n)`` is called with each
+    tensor's bytes as it is done (skipped ones included), summing to the checkpoint's size.
     """
     model_dir = Path(model_dir)
     params = dict(model.named_parameters())
     expected = model.checkpoint_shapes()
     seen: set[str] = set()
     report = LoadReport()
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name == "lm_head.weight" and model.spec.tie_word_embeddings:
-                    continue  # tied: the embedding is the head; some checkpoints store both
-                if name not in expected:
-                    raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: not part of a Qwen3 model")
-                source = f.get_slice(name)
-                if list(source.get_shape()) != expected[name]:
-                    raise CheckpointError(
-                        f"tensor {name!r} in {path.name} has shape {list(source.get_shape())}, "
-                        f"expected {expected[name]}"
-                    )
-                param_name, shard = model.param_for(name)
-                param = params[param_name]
-                loader = getattr(param, "weight_loader", load_full)
-                counted = _CountingSource(source)
-                try:
-                    loader(param, counted, shard)
-                except CheckpointError as e:
-                    raise CheckpointError(f"tensor {name!r}: {e}") from None
-                report.tensors += 1
-                report.bytes_read += counted.bytes_read
-                seen.add(name)
+    files = checkpoint_files(model_dir)
+    sizes = {path: tensor_bytes(path) for path in files}
+    total = sum(sum(s.values()) for s in sizes.values())
+    # disable=None: tqdm itself turns the bar off when stderr is not a terminal.
+    bar = tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+               disable=True if not show_progress or total < PROGRESS_MIN_BYTES else None, leave=False)
+    start = time.perf_counter()
+    with bar:
+        for path in files:
+            _load_file(model, path, sizes[path], params, expected, seen, report, bar, on_progress)
+    report.seconds = time.perf_counter() - start
     missing = sorted(set(expected) - seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
-    mib = report.bytes_read / 2**20
-    logger.info("loaded %d tensors (%.1f MiB on this rank) from %s", report.tensors, mib, model_dir)
+    gb = report.checkpoint_bytes / 1e9
+    logger.info("loaded %d tensors from %s: %.2f GB in %.1f s (%.2f GB/s), %.1f MiB on this rank", report.tensors,
+                model_dir, gb, report.seconds, gb / max(report.seconds, 1e-9), report.bytes_read / 2**20)
     return report
+
+
+def _load_file(model: Qwen3ForCausalLM, path: Path, sizes: dict[str, int], params: dict[str, torch.nn.Parameter],
+               expected: dict[str, list[int]], seen: set[str], report: LoadReport, bar: tqdm,
+               on_progress: Callable[[int], None] | None) -> None:
+    """Load this rank's slices of one file's tensors (see :func:`load_weights`)."""
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            done = sizes.get(name, 0)
+            report.checkpoint_bytes += done
+            if not (name == "lm_head.weight" and model.spec.tie_word_embeddings):
+                _load_tensor(model, f, path, name, params, expected, seen, report)
+            # else tied: the embedding is the head; some checkpoints store both
+            bar.update(done)
+            if on_progress is not None:
+                on_progress(done)
+
+
+def _load_tensor(model: Qwen3ForCausalLM, f: Any, path: Path, name: str, params: dict[str, torch.nn.Parameter],
+                 expected: dict[str, list[int]], seen: set[str], report: LoadReport) -> None:
+    """Check one tensor's name and full shape, then copy this rank's slice of it into its parameter."""
+    if name not in expected:
+        raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: not part of a Qwen3 model")
+    source = f.get_slice(name)
+    if list(source.get_shape()) != expected[name]:
+        raise CheckpointError(
+            f"tensor {name!r} in {path.name} has shape {list(source.get_shape())}, "
+            f"expected {expected[name]}"
+        )
+    param_name, shard = model.param_for(name)
+    param = params[param_name]
+    loader = getattr(param, "weight_loader", load_full)
+    counted = _CountingSource(source)
+    try:
+        loader(param, counted, shard)
+    except CheckpointError as e:
+        raise CheckpointError(f"tensor {name!r}: {e}") from None
+    report.tensors += 1
+    report.bytes_read += counted.bytes_read
+    seen.add(name)
 
 
 class _CountingSource:

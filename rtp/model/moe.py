@@ -19,7 +19,7 @@ from torch import nn
 
 from rtp.distributed.parallel import ParallelState
 from rtp.kernels.fused_moe import fused_moe
-from rtp.model.linear import PackableLinear, _copy, divide
+from rtp.model.linear import PackableLinear, _copy, divide, frozen_param
 
 
 class MoERouter(PackableLinear):
@@ -62,10 +62,8 @@ class FusedMoE(nn.Module):
             self.inter_local = divide(inter, ps.tp_size, "moe_intermediate_size")
             self.expert_start = 0
         e, i = self.num_local, self.inter_local
-        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(e, hidden, i), requires_grad=False)
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
+        self.w13_weight = frozen_param(torch.empty(e, 2 * i, hidden), self.weight_loader)
+        self.w2_weight = frozen_param(torch.empty(e, hidden, i), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, source, shard_id: tuple[int, int | None]) -> None:  # noqa: ANN001
         """Copy this rank's part of one expert's projection; ``shard_id = (expert, 0 gate | 1 up | None down)``."""

@@ -69,6 +69,9 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half layout, as HF Qwen3) with a cos/sin cache."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, scale: float) -> None:
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.float32)

@@ -176,7 +176,7 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [m for m in self.modules() if isinstance(m, PagedAttention)]
 
     def checkpoint_shapes(self) -> dict[str, list[int]]:
         """Full (unsharded) shape of every tensor the checkpoint must hold."""

@@ -88,11 +88,12 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         expert_parallel: bool = False,
     ) -> None:
         spec.check_tp(ps.tp_size, expert_parallel)
+        self.moe_spec = spec  # the base class keeps it as ``spec`` with the dense type
         self.expert_parallel = expert_parallel  # read by make_mlp during the base constructor
         super().__init__(spec, ps, hf_config, max_positions)
 
     def make_mlp(self, layer: int, ps: ParallelState) -> nn.Module:
-        s = self.spec
+        s = self.moe_spec
         if layer not in s.sparse_layers:
             return Qwen3MLP(s, ps)
         return SparseMoeBlock(
@@ -102,7 +103,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def checkpoint_shapes(self) -> dict[str, list[int]]:
         """Full (unsharded) shape of every tensor the checkpoint must hold."""
-        s = self.spec
+        s = self.moe_spec
         shapes = super().checkpoint_shapes()
         for i in s.sparse_layers:
             p = f"model.layers.{i}.mlp."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoConfig
 
@@ -58,12 +59,13 @@ def load_model(
     is_moe = getattr(hf_config, "model_type", None) == "qwen3_moe"
     spec = Qwen3MoeSpec.from_hf(hf_config) if is_moe else Qwen3Spec.from_hf(hf_config)
     positions = max(max_positions or 0, spec.max_position_embeddings)
+    model: Qwen3ForCausalLM
     with _default_dtype(dtype), torch.device(ps.device):
-        if is_moe:
+        if isinstance(spec, Qwen3MoeSpec):
             model = Qwen3MoeForCausalLM(spec, ps, hf_config, positions, expert_parallel)
         else:
             model = Qwen3ForCausalLM(spec, ps, hf_config, positions)
-    report = load_weights(model, model_dir)
+    report = load_weights(model, model_dir, show_progress=ps.rank == 0)
     if onednn_packing_supported(ps.device, dtype):
         n = pack_linear_weights(model)
         logger.info("packed %d linear weights for oneDNN", n)
@@ -117,6 +119,9 @@ class ModelRunner:
         )
         allocate_kv_cache(layers, self.num_blocks, block_size, self.dtype, ps.device)
         self.mirror = BatchMirror(block_size)
+        # Rank 0, after a step whose plan names prompt_logprob_seq_ids: (spans, float32 logits of
+        # every position of those chunks), see BatchInputs.prompt_logit_spans. None otherwise.
+        self.prompt_logits: tuple[list[tuple[int, int, int]], torch.Tensor] | None = None
         self.graphs: CudaGraphs | None = None
         if self.attn_backend in ("flash", "triton") and not enforce_eager:  # both decode paths are capturable
             max_blocks = -(-self.max_model_len // block_size)
@@ -172,16 +177,29 @@ class ModelRunner:
         if batch.num_tokens == 0:
             return None
         ids, pos, meta = self.to_device(batch)
-        use_graph = self.graphs is not None and meta.decode_only
-        if use_graph and self.graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
-            hidden = self.graphs.run(ids, pos, meta)
+        graphs = self.graphs if meta.decode_only else None
+        if graphs is not None and graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
+            hidden = graphs.run(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta)  # [T, hidden]
-        if len(batch.sample_indices) == 0:  # a prefill chunk that does not reach its prompt's end
-            return None  # (the plan is the same on every rank, so all skip the gather together)
-        sample_idx = torch.from_numpy(batch.sample_indices).to(self.ps.device)
+        self.prompt_logits = None
+        num_samples = len(batch.sample_indices)
+        extra = batch.prompt_logit_indices
+        if num_samples == 0 and (extra is None or len(extra) == 0):
+            # a prefill chunk that does not reach its prompt's end (the plan is the same on
+            # every rank, so all skip the gather together)
+            return None
+        indices = batch.sample_indices if extra is None else np.concatenate([batch.sample_indices, extra])
+        sample_idx = torch.from_numpy(indices).to(self.ps.device)
+        # Only the rows asked for go through the LM head: the last position of each sampled
+        # chunk, plus every position of the chunks of requests that want prompt logprobs.
         logits = self.model.compute_logits(hidden[sample_idx])
-        return logits.float() if logits is not None else None
+        if logits is None:  # not rank 0
+            return None
+        logits = logits.float()
+        if extra is not None and batch.prompt_logit_spans:
+            self.prompt_logits = (batch.prompt_logit_spans, logits[num_samples:])
+        return logits[:num_samples] if num_samples else None
 
 
 class CudaGraphs:
@@ -239,6 +257,8 @@ class CudaGraphs:
         self.ctx[:b] = meta.context_lens
         self.ctx[b:bs] = 1
         self.tables[:bs].zero_()
-        self.tables[:b, : meta.block_tables.shape[1]] = meta.block_tables
+        tables = meta.block_tables
+        assert tables is not None, "a decode step always has block tables"
+        self.tables[:b, : tables.shape[1]] = tables
         self.graphs[bs].replay()
         return self.out[:b]

@@ -1,6 +1,6 @@
 """Failures never hang: dead, stopped and orphaned ranks, stuck steps, SIGTERM, bad configs, runs side by side.
 
-Every run goes through torchrun (gloo, CPU) with the tiny default model. The
+Every run goes through torchrun (gloo, CPU) with the random tiny model of rtp.testing. The
 liveness tests use a config with a short ``liveness_timeout_s`` so that each
 costs a few seconds beyond its bound.
 """
@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from rtp.distributed.liveness import pid_alive
+from rtp.testing import default_model_dir
 from tests.utils import REPO, rank_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -41,6 +42,8 @@ class Run:
     """A torchrun launch in its own process group, with its output collected in the background."""
 
     def __init__(self, nproc: int, *args: str, env: dict[str, str] | None = None) -> None:
+        if "launch/generate.py" in args and "--model" not in args:
+            args = (*args, "--model", str(default_model_dir()))  # the random tiny model, not the trained default
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
         full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

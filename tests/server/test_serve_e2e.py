@@ -90,6 +90,7 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     config = tmp / "cpu.yaml"
     config.write_text(
+        f"model: {default_model_dir()}\n"  # the random tiny model (the default is the trained one)
         "device: cpu\ndtype: float32\nblock_size: 16\nmax_num_seqs: 64\nmax_num_batched_tokens: 2048\n"
         f"cpu_kv_cache_gib: 0.25\nenforce_eager: true\nlog_level: INFO\nserver:\n  shutdown_grace_s: {GRACE_S}\n"
     )

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from rtp.distributed.liveness import pid_alive
+from rtp.testing import default_model_dir
 from tests.server.test_serve_e2e import kill, launch, read_stream, shm_segments, wait_ready
 from tests.utils import rank_pids
 
@@ -55,6 +56,7 @@ def health_probe(url: str, stop: threading.Event, seen: list[tuple[int, dict]]) 
 def test_a_stopped_worker_under_load_fails_every_request_and_the_server_exits(tmp_path):
     config = tmp_path / "cpu.yaml"
     config.write_text(
+        f"model: {default_model_dir()}\n"  # the random tiny model (the default is the trained one)
         f"device: cpu\ndtype: float32\nblock_size: 16\nmax_num_seqs: {MAX_NUM_SEQS}\ncpu_kv_cache_gib: 0.25\n"
         f"enforce_eager: true\nliveness_timeout_s: {LIVENESS_S}\nserver:\n  shutdown_grace_s: 4\n"
     )

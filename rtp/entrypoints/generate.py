@@ -1,0 +1,106 @@
+"""Offline batch generation: JSONL prompts in, JSONL completions out.
+
+    rtp generate --nproc-per-node 2 [--config configs/cpu.yaml] --prompts-file prompts.jsonl --output out.jsonl
+    torchrun --standalone --nproc-per-node 2 launch/generate.py --config configs/cpu.yaml \
+        --prompts-file prompts.jsonl --output out.jsonl
+
+Each input line is {"prompt": "..."} or {"prompt_token_ids": [...]}, plus any
+SamplingParams field (temperature, max_tokens, stop, seed, ...). Without
+--prompts-file a few built-in prompts are generated and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import rtp
+from rtp.cli import add_common_args, fail
+from rtp.errors import RequestError, RtpError
+
+# Openings from the default model's corpus (Shakespeare's plays) and one line it never saw.
+DEMO_PROMPTS = ["If music be the food of love,", "Friends, Romans, countrymen,", "Now is the winter of our discontent",
+                "The quick brown fox"]
+PARAM_FIELDS = {f.name for f in dataclasses.fields(rtp.SamplingParams) if f.init}
+
+
+def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams], list[int]]:
+    """Parse the JSONL file into prompts, their params and their line numbers.
+
+    Raises RtpError naming the line of the first bad entry.
+    """
+    prompts, params, linenos = [], [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                if not isinstance(item, dict):
+                    raise ValueError("expected a JSON object")
+                if ("prompt" in item) == ("prompt_token_ids" in item):
+                    raise ValueError('give exactly one of "prompt" or "prompt_token_ids"')
+                key = "prompt" if "prompt" in item else "prompt_token_ids"
+                prompt = item.pop(key)
+                if key == "prompt" and not (isinstance(prompt, str) and prompt):
+                    raise ValueError('"prompt" must be a non-empty string')
+                if key == "prompt_token_ids" and not (
+                    isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+                ):
+                    raise ValueError('"prompt_token_ids" must be a non-empty list of integers')
+                unknown = set(item) - PARAM_FIELDS
+                if unknown:
+                    raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(PARAM_FIELDS)}")
+                params.append(rtp.SamplingParams(**item))
+                prompts.append(prompt)
+                linenos.append(lineno)
+            except (ValueError, TypeError) as e:
+                raise RtpError(f"{path}:{lineno}: {e}") from None
+    return prompts, params, linenos
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap)
+    ap.add_argument("--prompts-file", help="JSONL input")
+    ap.add_argument("--output", help="JSONL output (default: print)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="max_tokens for the built-in demo prompts")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.prompts_file:
+            prompts, params, linenos = read_requests(args.prompts_file)
+        else:
+            prompts, linenos = DEMO_PROMPTS, []
+            params = [rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(prompts)
+        rtp.init(args.config, model=args.model)  # worker ranks serve inside init() and exit there
+        try:
+            outputs = rtp.generate(prompts, params)
+        except RequestError as e:  # "prompt <i>: why" -> "<file>:<line>: why"
+            index, _, why = str(e).partition(": ")
+            if linenos and index.startswith("prompt "):
+                raise RequestError(f"{args.prompts_file}:{linenos[int(index[7:])]}: {why}") from None
+            raise
+    except RtpError as e:
+        return fail(e)
+    finally:
+        rtp.shutdown()
+    lines = [json.dumps({"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
+                         **({"logprobs": o.logprobs} if o.logprobs is not None else {})}) for o in outputs]
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+        print(f"wrote {len(lines)} completions to {args.output}")
+    else:
+        for prompt, o in zip(prompts, outputs):
+            print(f"{prompt!r} -> {o.text!r} ({o.finish_reason})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
