@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rtp.distributed.shm_allreduce import ShmAllReduce
+from rtp.distributed.step_relay import new_relay_group
 from rtp.errors import ConfigError
 from rtp.log import get_logger
 
@@ -165,7 +166,7 @@ class ParallelState:
                 group = dist.new_group(topology.ranks_on(node), backend="gloo", timeout=timeout)
                 if node == ps.node_rank:
                     ps.node_group = group
-            leaders = dist.new_group(list(topology.leaders), backend="gloo", timeout=timeout)
+            leaders = new_relay_group(list(topology.leaders))
             if rank in topology.leaders:
                 ps.leader_group = leaders
         logger.info("initialised %s world of %d ranks on %s (%d node%s)", backend, world_size, dev,

@@ -10,10 +10,14 @@ buffer that grows when needed. Nothing is pickled per step.
 
 A broadcast blocked on a lost peer does not hang the run: gloo fails it when
 the connection breaks, and the watchdog ends the process when the peer's
-relayed heartbeat times out (whichever comes first).
+relayed heartbeat times out (whichever comes first). A leader waits in
+``recv`` for as long as rank 0 has nothing to run (an idle server), so the
+leaders' group gets no collective timeout of its own (:func:`new_relay_group`).
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -21,6 +25,15 @@ import torch.distributed as dist
 
 DEFAULT_INLINE_BYTES = 4096
 _HEADER = 8
+# The leaders' wait for the next plan is unbounded by design: liveness comes from the heartbeats.
+IDLE_WAIT = timedelta(days=365)
+
+
+def new_relay_group(ranks: list[int]) -> dist.ProcessGroup:
+    """The gloo group of the node leaders (collective: every rank of the world calls it)."""
+    group = dist.new_group(ranks, backend="gloo", timeout=IDLE_WAIT)
+    assert group is not None  # new_group returns a group object on every rank (a placeholder off the group)
+    return group
 
 
 class StepRelay:

@@ -19,6 +19,7 @@ import sys
 import rtp
 from rtp.cli import add_common_args, fail
 from rtp.errors import RequestError, RtpError
+from rtp.outputs import CompletionOutput, RequestOutput
 
 # Openings from the default model's corpus (Shakespeare's plays) and one line it never saw.
 DEMO_PROMPTS = ["If music be the food of love,", "Friends, Romans, countrymen,", "Now is the winter of our discontent",
@@ -90,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(e)
     finally:
         rtp.shutdown()
-    lines = [json.dumps({"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
-                         **({"logprobs": o.logprobs} if o.logprobs is not None else {})}) for o in outputs]
+    lines = [json.dumps(_output_line(o)) for o in outputs]
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))
@@ -100,6 +100,20 @@ def main(argv: list[str] | None = None) -> int:
         for prompt, o in zip(prompts, outputs):
             print(f"{prompt!r} -> {o.text!r} ({o.finish_reason})")
     return 0
+
+
+def _output_line(o: RequestOutput) -> dict:
+    """One JSONL line: sample 0 in the flat fields, every sample under "outputs" when n > 1."""
+    def sample(c: RequestOutput | CompletionOutput) -> dict:
+        return {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
+                **({"logprobs": c.logprobs} if c.logprobs is not None else {})}
+
+    line = sample(o)
+    if o.samples is not None:
+        line["outputs"] = [{"index": c.index, **sample(c)} for c in o.samples]
+    if o.prompt_logprobs is not None:
+        line["prompt_logprobs"] = o.prompt_logprobs
+    return line
 
 
 if __name__ == "__main__":

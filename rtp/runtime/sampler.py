@@ -221,6 +221,8 @@ class Sampler:
         x = self._apply_constraints(logits, rows)
         x = self._apply_allowed(x, rows)
         x = self._apply_bad_words(x, rows)
+        if x is not logits:
+            x = self._end_rows_without_tokens(x)
         x = self._mask_min_tokens(x, rows)
         x = self._apply_logit_bias(x, rows)
         return self._apply_penalties(x, rows)
@@ -235,6 +237,18 @@ class Sampler:
         # Argmax is the same in any float dtype (widening is exact), ties included: the first index wins.
         tokens = logits.argmax(dim=-1).tolist()
         return SamplerOutput(token_ids=tokens, logprobs=[None] * len(tokens))
+
+    def _end_rows_without_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """A row whose masks together allow no token (say allowed_token_ids that are all bad words)
+        may only emit EOS, which ends it; otherwise it would draw from an empty distribution."""
+        dead = ~(x > float("-inf")).any(dim=-1)
+        if not self.eos_token_ids or not bool(dead.any()):
+            return x
+        logger.warning("%d sequence(s) have no allowed token left (constraint, allowed_token_ids and "
+                       "bad_words exclude every one): they end with EOS", int(dead.sum()))
+        x = x.clone()
+        x[dead, self.eos_token_ids[0]] = 0.0
+        return x
 
     def _mask_min_tokens(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Set EOS and stop tokens to -inf in rows that have not reached min_tokens."""

@@ -669,3 +669,34 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def test_prompt_logprob_positions_per_step_are_capped() -> None:
+    cfg = SchedulerConfig(4, 64, 64, 4, 32, True, max_prompt_logit_rows=8)
+    sched = Scheduler(cfg, [EOS])
+    world = World(sched)
+    wants = [seq(1, list(range(1, 21)), max_tokens=2, prompt_logprobs=1),
+             seq(2, list(range(30, 49)), max_tokens=2, prompt_logprobs=1)]
+    plain = seq(3, list(range(50, 80)), max_tokens=2)
+    for s in [*wants, plain]:
+        sched.add(s)
+    computed = {s.seq_id: 0 for s in wants}
+    for _ in range(40):
+        if not sched.has_unfinished():
+            break
+        result, _ = step(sched, world)
+        check_invariants(sched, world, [*wants, plain])
+        rows = {s.seq.seq_id: s.num_new_tokens for s in result.scheduled if s.seq.seq_id in computed}
+        prompt_rows = {i: n for i, n in rows.items() if computed[i] < 20 - (i == 2)}
+        assert sum(prompt_rows.values()) <= 8, rows  # the cap, over every such sequence of the step
+        assert set(prompt_rows) <= set(result.plan.prompt_logprob_seq_ids)
+        for i, n in rows.items():
+            computed[i] += n
+    assert not sched.has_unfinished()
+    assert all(s.finish_reason == "length" for s in [*wants, plain])
+    assert (plain.status, plain.num_cached_tokens) == (SequenceStatus.FINISHED, 0)
+
+
+def test_prompt_logit_rows_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="max_prompt_logit_rows"):
+        SchedulerConfig(4, 64, 64, 4, 32, True, max_prompt_logit_rows=0)

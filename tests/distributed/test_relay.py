@@ -179,3 +179,46 @@ def test_step_relay_delivers_every_size_over_gloo():
                 p.kill()
     assert result == [True] * len(sizes)
     assert all(p.exitcode == 0 for p in procs)
+
+
+def _idle_rank(rank: int, port: int, out) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rtp.distributed.step_relay import StepRelay, new_relay_group
+
+    # The world's collectives time out after 1 s; the relay's wait must outlast that.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=1))
+    try:
+        relay = StepRelay(new_relay_group([0, 1]))
+        if rank == 0:
+            time.sleep(3.0)  # an idle server: no plan for a while
+            relay.send(b"after a pause")
+        else:
+            out.put(relay.recv())
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put(repr(e))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_leader_waits_for_the_next_plan_as_long_as_rank0_is_idle():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_idle_rank, args=(r, port, out)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        result = out.get(timeout=60)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert result == b"after a pause"

@@ -41,3 +41,25 @@ def test_prompt_the_model_cannot_take_is_reported_with_its_line(tmp_path):
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 1
     assert f"{path}:3: token id 1000000 is out of range" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_every_sample_and_the_prompt_logprobs_reach_the_output_file(tmp_path):
+    # One rank (plain python), the default trained model; n = 3 seeded samples and prompt logprobs.
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text(json.dumps({"prompt": "If music be the food of love", "n": 3, "seed": 5, "temperature": 1.0,
+                                "max_tokens": 6, "prompt_logprobs": 1, "logprobs": 1}) + "\n"
+                    + json.dumps({"prompt": "Now is the winter", "max_tokens": 4}) + "\n")
+    proc = subprocess.run([sys.executable, "launch/generate.py", "--prompts-file", str(path), "--output", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    first, second = [json.loads(line) for line in out.read_text().splitlines()]
+    samples = first["outputs"]
+    assert [s["index"] for s in samples] == [0, 1, 2]
+    assert all(len(s["token_ids"]) == 6 and len(s["logprobs"]) == 6 for s in samples)
+    assert {k: samples[0][k] for k in ("token_ids", "text", "finish_reason")} == {
+        k: first[k] for k in ("token_ids", "text", "finish_reason")}
+    assert len({tuple(s["token_ids"]) for s in samples}) > 1  # three seeds, not one sample written thrice
+    lps = first["prompt_logprobs"]
+    assert lps[0] is None and len(lps) > 1 and all(isinstance(d, dict) and d for d in lps[1:])
+    assert "outputs" not in second and "prompt_logprobs" not in second

@@ -186,3 +186,13 @@ def test_bad_words_ban_the_last_token_after_a_matching_output() -> None:
         for t in range(VOCAB):
             assert torch.isinf(got[i, t]).item() == (t in banned), (i, t)
     assert not is_plain_greedy(SamplingParams(temperature=0.0, bad_words=["x"]))
+
+
+def test_a_row_whose_masks_leave_no_token_ends_with_eos() -> None:
+    # allowed_token_ids={5} and a bad word that is token 5: nothing is left in row 0; row 1 is untouched.
+    logits = torch.randn(2, 32)
+    trapped = SamplingParams(temperature=1.0, seed=3, allowed_token_ids=[5], bad_words=["x"])
+    rows = [SampleRow(trapped, 0, [1, 2], 2, None, None, [[5]]), SampleRow(SamplingParams(temperature=0.0), 0, [1], 1)]
+    for _ in range(5):
+        toks = Sampler([EOS]).sample(logits, rows).token_ids
+        assert toks == [EOS, int(logits[1].argmax())]
