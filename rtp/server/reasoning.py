@@ -34,7 +34,7 @@ def split_reasoning(text: str) -> tuple[str | None, str | None]:
     return reasoning or None, content or None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -80,7 +80,7 @@ class ReasoningStream:
                     out.reasoning += before.rstrip("\n")
                     self.state, self._skip_newlines, text = "answer", True, after
                     continue
-                keep = 0 if final else _partial_suffix(text, THINK_END)
+                keep = 0 if final else partial_suffix(text, THINK_END)
                 rest = text[: len(text) - keep]
                 if not final:  # newlines just before </think> are not reasoning
                     keep += len(rest) - len(rest.rstrip("\n"))

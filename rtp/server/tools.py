@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from rtp.server.reasoning import partial_suffix
+
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 
 TOOL_CALL_PARSERS = ("hermes", "qwen3")
@@ -88,13 +90,6 @@ def parse_required(text: str) -> list[ToolCall]:
     return [c for c in calls if c is not None]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ToolCallStream:
     """Incremental :func:`parse_tool_calls`: content deltas until the first ``<tool_call>``, then one
     complete call per closed block (OpenAI clients concatenate the deltas of a call by index)."""
@@ -111,7 +106,7 @@ class ToolCallStream:
         if not self.in_calls:
             start = text.find(TOOL_CALL_START)
             if start < 0:
-                keep = 0 if final else _partial_suffix(text, TOOL_CALL_START)
+                keep = 0 if final else partial_suffix(text, TOOL_CALL_START)
                 self._held = text[len(text) - keep:]
                 return text[: len(text) - keep], []
             content, text, self.in_calls = text[:start], text[start:], True

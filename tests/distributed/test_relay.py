@@ -159,15 +159,14 @@ def _relay_rank(rank: int, port: int, sizes: list[int], out) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_step_relay_delivers_every_size_over_gloo():
-    sizes = [0, 1, 55, 56, 57, 200, 5000, 3, 70_000, 56]  # inline capacity is 64 - 8 = 56 bytes
+def _two_ranks(target, *args) -> tuple[object, list[int | None]]:
+    """Run ``target(rank, port, *args, out)`` in two forked processes; (what rank 1 put, exit codes)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")  # the ranks inherit torch instead of importing it again
     out = ctx.Queue()
-    procs = [ctx.Process(target=_relay_rank, args=(r, port, sizes, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(2)]
     try:
         for p in procs:
             p.start()
@@ -177,8 +176,15 @@ def test_step_relay_delivers_every_size_over_gloo():
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+    return result, [p.exitcode for p in procs]
+
+
+@pytest.mark.slow
+def test_step_relay_delivers_every_size_over_gloo():
+    sizes = [0, 1, 55, 56, 57, 200, 5000, 3, 70_000, 56]  # inline capacity is 64 - 8 = 56 bytes
+    result, exitcodes = _two_ranks(_relay_rank, sizes)
     assert result == [True] * len(sizes)
-    assert all(p.exitcode == 0 for p in procs)
+    assert exitcodes == [0, 0]
 
 
 def _idle_rank(rank: int, port: int, out) -> None:
@@ -206,19 +212,6 @@ def _idle_rank(rank: int, port: int, out) -> None:
 
 @pytest.mark.slow
 def test_a_leader_waits_for_the_next_plan_as_long_as_rank0_is_idle():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_idle_rank, args=(r, port, out)) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        result = out.get(timeout=60)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    result, exitcodes = _two_ranks(_idle_rank)
     assert result == b"after a pause"
+    assert exitcodes == [0, 0]
