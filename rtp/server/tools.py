@@ -60,21 +60,25 @@ def call_from_json(text: str, args_key: str = "arguments") -> ToolCall | None:
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished output; content is the text before the first call.
+    """(content, calls) of a finished output: the same as :class:`ToolCallStream` gives in pieces.
 
-    A block that is not valid call JSON makes the whole output plain content with no calls
-    (the model did not call a tool after all), as in vLLM.
+    Content is the text before the first ``<tool_call>``, then every block that is not valid
+    call JSON (passed on as text: a stream cannot take back the calls it already sent), then
+    any text after the last block.
     """
     start = text.find(TOOL_CALL_START)
     if start < 0:
         return text or None, []
-    calls = []
+    content, calls, end = text[:start], [], start
     for m in _BLOCK.finditer(text, start):
         call = call_from_json((m.group(1) if m.group(1) is not None else m.group(2)).strip())
         if call is None:
-            return text or None, []
-        calls.append(call)
-    content = text[:start]
+            content += m.group(0)
+        else:
+            calls.append(call)
+        end = m.end()
+    if text[end:].strip():
+        content += text[end:]
     return (content if content.strip() else None), calls
 
 

@@ -70,6 +70,9 @@ CALL2 = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     ("no calls here", "no calls here", []),
     ('<tool_call>\n{"name": "f", "arguments": {"x": 1}}', None, [("f", {"x": 1})]),  # cut before </tool_call>
     ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),  # not a call: plain content
+    # A valid call and an invalid block: the call is kept (a stream has sent it), the block is text.
+    (CALL + "\n<tool_call>{oops</tool_call>", "<tool_call>{oops</tool_call>", [("get_weather", {"city": "Paris"})]),
+    (CALL + "\nDone.", "\nDone.", [("get_weather", {"city": "Paris"})]),
 ])
 def test_tool_call_parsing_and_its_stream_agree(text, content, calls):
     got_content, got_calls = parse_tool_calls(text)
