@@ -263,9 +263,7 @@ class Sampler:
             col_idx.extend(banned)
         if not row_idx:
             return x
-        mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)  # [num_rows, vocab]
-        mask[torch.tensor(row_idx, device=x.device), torch.tensor(col_idx, device=x.device)] = True
-        masked = x.masked_fill(mask, float("-inf"))
+        masked = _ban(x, row_idx, col_idx)
         # A row whose every token would be banned keeps its logits: emitting a
         # banned token beats sampling from an empty distribution.
         alive = (masked > float("-inf")).any(dim=-1, keepdim=True)
@@ -314,7 +312,7 @@ class Sampler:
         restricted = torch.tensor([r.params.allowed_token_ids is not None for r in rows], device=x.device)
         keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
         if row_idx:
-            keep[torch.tensor(row_idx, device=x.device), torch.tensor(col_idx, device=x.device)] = True
+            keep[_pairs(x, row_idx, col_idx)] = True
         return x.masked_fill(restricted[:, None] & ~keep, float("-inf"))
 
     @staticmethod
@@ -336,9 +334,7 @@ class Sampler:
                     col_idx.append(ids[-1])
         if not row_idx:
             return x
-        dev = x.device
-        index = (torch.tensor(row_idx, device=dev), torch.tensor(col_idx, device=dev))
-        return x.index_put(index, torch.tensor(float("-inf"), device=dev))
+        return _ban(x, row_idx, col_idx)
 
     @staticmethod
     def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -358,9 +354,8 @@ class Sampler:
                     vals.append(b)
         if not row_idx:
             return x
-        dev = x.device
-        index = (torch.tensor(row_idx, device=dev), torch.tensor(col_idx, device=dev))
-        return x.index_put(index, torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+        return x.index_put(_pairs(x, row_idx, col_idx), torch.tensor(vals, dtype=x.dtype, device=x.device),
+                           accumulate=True)
 
     @staticmethod
     def _apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -471,6 +466,16 @@ class Sampler:
             entry[token_list[i]] = sampled_lp[j]
             out[i] = entry
         return out
+
+
+def _pairs(x: torch.Tensor, row_idx: list[int], col_idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index tensors on ``x``'s device, to index ``x [num_rows, vocab]`` at those pairs."""
+    return torch.tensor(row_idx, device=x.device), torch.tensor(col_idx, device=x.device)
+
+
+def _ban(x: torch.Tensor, row_idx: list[int], col_idx: list[int]) -> torch.Tensor:
+    """A copy of ``x`` with the (row, column) pairs set to -inf."""
+    return x.index_put(_pairs(x, row_idx, col_idx), torch.tensor(float("-inf"), device=x.device))
 
 
 def _allowed_to_bool(allowed: torch.Tensor, vocab: int) -> torch.Tensor:
