@@ -73,6 +73,18 @@ def _settle() -> None:
         pass
 
 
+def _open_channel(name: str, rank: int, owner: int, num_readers: int) -> ShmChannel | None:
+    """``owner`` creates the channel, then the ranks after it (``owner + 1 ..``) attach as its readers."""
+    chan = None
+    if rank == owner and num_readers:
+        chan = ShmChannel.create(name, num_readers=num_readers, chunk_bytes=256 * 1024, num_chunks=4)
+    dist.barrier()
+    if rank != owner:
+        chan = ShmChannel.attach(name, rank - owner - 1, timeout=30)
+    dist.barrier()
+    return chan
+
+
 def _relay_steps(rank: int, world: int, names: tuple[str, str], plans: list[StepPlan],
                  times: dict[str, list[int]]) -> int:
     """The two-node relay (see the module docstring); returns the number of plans received wrong."""
@@ -85,12 +97,7 @@ def _relay_steps(rank: int, world: int, names: tuple[str, str], plans: list[Step
     chan = None
     mismatches = 0
     try:
-        if rank == leader and readers:
-            chan = ShmChannel.create(names[node], num_readers=readers, chunk_bytes=256 * 1024, num_chunks=4)
-        dist.barrier()
-        if rank != leader:
-            chan = ShmChannel.attach(names[node], rank - leader - 1, timeout=30)
-        dist.barrier()
+        chan = _open_channel(names[node], rank, leader, readers)
         for plan in plans:
             dist.barrier()
             if rank == 0:
@@ -128,12 +135,7 @@ def _rank_main(rank: int, world: int, port: int, name: str, relay_names: tuple[s
     mismatches = 0
     chan = None
     try:
-        if rank == 0:
-            chan = ShmChannel.create(name, num_readers=world - 1, chunk_bytes=256 * 1024, num_chunks=4)
-        dist.barrier()
-        if rank > 0:
-            chan = ShmChannel.attach(name, rank - 1, timeout=30)
-        dist.barrier()
+        chan = _open_channel(name, rank, 0, world - 1)
 
         for plan in plans:
             dist.barrier()
