@@ -25,13 +25,17 @@ step, so a step costs a few batched ops over the penalised rows only.
 * min-p drops tokens whose probability is below ``min_p`` times the largest
   one (a ratio, so it does not matter that top-p removed some mass first).
 
-Sampling uses the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)``
-per token is an exact draw from ``probs``. This turns randomness into a noise
-tensor that can be produced per row: a seeded request draws its noise from a
-generator seeded with a hash of (seed, tokens generated so far), so its tokens
+Sampling inverts the CDF with one uniform number per row: the row's
+probabilities are summed in blocks of :data:`BLOCK` tokens, the block whose
+running sum passes ``u * total`` is found, then the token inside it. That is an
+exact draw from ``probs`` (up to float32 rounding of the probabilities
+themselves) at the cost of a softmax and one summing pass, whatever the
+vocabulary: drawing one Exp(1) or Gumbel number per vocabulary entry instead
+cost twice a whole decode step at Qwen3's 151,936 tokens on a CPU. A seeded
+request's uniform is a hash of (seed, tokens generated so far), so its tokens
 do not depend on what else is in the batch, on its row index or on earlier
-calls. Unseeded rows share the sampler's own generator. The global torch RNG is
-never touched.
+calls. Unseeded rows draw theirs from the sampler's own generator. The global
+torch RNG is never touched.
 """
 
 from __future__ import annotations
@@ -143,8 +147,9 @@ def filter_logits(
     device = logits.device
     neg_inf = float("-inf")
 
-    temps = torch.tensor(temperatures, dtype=torch.float32, device=device)
-    x = logits / temps[:, None]  # [num_rows, vocab]
+    x = logits
+    if any(t != 1.0 for t in temperatures):
+        x = logits / torch.tensor(temperatures, dtype=torch.float32, device=device)[:, None]  # [num_rows, vocab]
 
     ks = [k if 0 < k < vocab else vocab for k in top_ks]
     if any(k < vocab for k in ks):
@@ -192,10 +197,8 @@ class Sampler:
     def __init__(self, eos_token_ids: list[int], seed: int = 0) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.seed = seed
-        # One generator per device for unseeded rows (a stream seeded once), and
-        # one per device that seeded rows reseed before every draw.
-        self._generators: dict[torch.device, torch.Generator] = {}
-        self._seeded_generators: dict[torch.device, torch.Generator] = {}
+        # The stream of unseeded rows' uniforms (one number per row and step, drawn on the host).
+        self._generator = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """Sample one token for each row of ``logits`` ([num_rows, vocab], float)."""
@@ -205,7 +208,7 @@ class Sampler:
 
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            tokens = x.argmax(dim=-1)
+            tokens = argmax_rows(x)
         else:
             tokens = self._sample_random(x, rows, greedy)
 
@@ -235,7 +238,7 @@ class Sampler:
         """
         assert logits.dim() == 2, tuple(logits.shape)
         # Argmax is the same in any float dtype (widening is exact), ties included: the first index wins.
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = argmax_rows(logits).tolist()
         return SamplerOutput(token_ids=tokens, logprobs=[None] * len(tokens))
 
     def _end_rows_without_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -388,59 +391,33 @@ class Sampler:
 
     def _sample_random(self, x: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
         """Tokens of a batch with at least one non-greedy row; greedy rows take the argmax."""
-        params = [r.params for r in rows]
-        # Greedy rows get neutral filter values so they do not trigger extra work.
+        pick = [i for i, g in enumerate(greedy) if not g]
+        index = None if len(pick) == len(rows) else torch.tensor(pick, device=x.device)
+        sub = x if index is None else x.index_select(0, index)  # [num_sampled, vocab]
+        params = [rows[i].params for i in pick]
         filtered = filter_logits(
-            x,
-            temperatures=[1.0 if g else p.temperature for g, p in zip(greedy, params)],
-            top_ks=[-1 if g else p.top_k for g, p in zip(greedy, params)],
-            top_ps=[1.0 if g else p.top_p for g, p in zip(greedy, params)],
-            min_ps=[0.0 if g else p.min_p for g, p in zip(greedy, params)],
+            sub,
+            temperatures=[p.temperature for p in params],
+            top_ks=[p.top_k for p in params],
+            top_ps=[p.top_p for p in params],
+            min_ps=[p.min_p for p in params],
         )
-        probs = torch.softmax(filtered, dim=-1)  # [num_rows, vocab]
-        noise = self._exponential_noise(rows, greedy, x.shape[1], x.device)
-        sampled = (probs / noise).argmax(dim=-1)  # exponential race: an exact draw from probs
-        if any(greedy):
-            greedy_mask = torch.tensor(greedy, device=x.device)
-            sampled = torch.where(greedy_mask, x.argmax(dim=-1), sampled)
-        return sampled
+        drawn = inverse_cdf_sample(torch.softmax(filtered, dim=-1), self._uniforms([rows[i] for i in pick], x.device))
+        if index is None:
+            return drawn
+        tokens = argmax_rows(x)
+        tokens[index] = drawn
+        return tokens
 
-    def _exponential_noise(
-        self, rows: list[SampleRow], greedy: list[bool], vocab: int, device: torch.device
-    ) -> torch.Tensor:
-        """Exp(1) noise of shape [num_rows, vocab]; greedy rows get ones and consume no randomness."""
-        noise = torch.ones(len(rows), vocab, dtype=torch.float32, device=device)
-        unseeded = [i for i, r in enumerate(rows) if not greedy[i] and r.params.seed is None]
-        if unseeded:
-            gen = self._generator(device)
-            if len(unseeded) == len(rows):
-                noise.exponential_(generator=gen)
-            else:
-                draw = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=device)
-                noise[torch.tensor(unseeded, device=device)] = draw.exponential_(generator=gen)
-        for i, row in enumerate(rows):
-            if greedy[i] or row.params.seed is None:
-                continue
-            gen = self._seeded_generator(device)
-            gen.manual_seed(step_seed(row.params.seed, row.num_generated))
-            noise[i].exponential_(generator=gen)  # a row view: same draw whatever the row index
-        # exponential_ may return an exact 0; probs / 0 would be inf or nan.
-        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed)
-            self._generators[device] = gen
-        return gen
-
-    def _seeded_generator(self, device: torch.device) -> torch.Generator:
-        gen = self._seeded_generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            self._seeded_generators[device] = gen
-        return gen
+    def _uniforms(self, rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+        """One U[0, 1) number per row, float64 on ``device``: seeded rows from (seed, step), the rest
+        from the sampler's generator (one draw for all of them)."""
+        num_unseeded = sum(r.params.seed is None for r in rows)
+        stream = iter(torch.rand(num_unseeded, dtype=torch.float64, generator=self._generator).tolist())
+        u = [next(stream) if r.params.seed is None
+             else (step_seed(r.params.seed, r.num_generated) >> 11) * 2.0**-53  # the hash's top 53 bits
+             for r in rows]
+        return torch.tensor(u, dtype=torch.float64, device=device)
 
     @staticmethod
     def _logprobs(
@@ -466,6 +443,54 @@ class Sampler:
             entry[token_list[i]] = sampled_lp[j]
             out[i] = entry
         return out
+
+
+BLOCK = 128
+"""Tokens per block of the blocked argmax and of the inverse-CDF draw."""
+
+
+def _blocks(x: torch.Tensor, fill: float) -> torch.Tensor:
+    """``x [rows, vocab]`` viewed as ``[rows, vocab / BLOCK, BLOCK]`` (padded with ``fill`` when needed)."""
+    pad = -x.shape[1] % BLOCK
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=fill)
+    return x.reshape(x.shape[0], -1, BLOCK)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (the first index of the maximum) of ``x [rows, vocab]``, as int64 ``[rows]``.
+
+    Through block maxima: on CPUs ``amax`` vectorises and ``argmax`` does not, so this is about
+    3x faster at Qwen3's vocabulary; the first block holding the row's maximum, then the first
+    index of it inside that block, is exactly the first index of the maximum.
+    """
+    xb = _blocks(x, float("-inf"))  # [R, nb, BLOCK]
+    block_max = xb.amax(dim=-1)  # [R, nb]
+    first = (block_max == block_max.amax(dim=-1, keepdim=True)).to(torch.uint8).argmax(dim=-1)  # [R]
+    rows = torch.arange(x.shape[0], device=x.device)
+    return first * BLOCK + xb[rows, first].argmax(dim=-1)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [rows, vocab]`` (rows of non-negative mass), given ``u [rows]`` in [0, 1).
+
+    The token is the first whose cumulative probability exceeds ``u * total``: blocks of
+    :data:`BLOCK` tokens are summed (one pass), the block is found on the running block sums
+    (float64), then the token on the running sum inside that block. A token of probability 0
+    is never returned: should rounding put the target past the last positive token, the row's
+    most likely token is taken (an event of probability ~1e-16).
+    """
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    pb = _blocks(probs, 0.0)  # [R, nb, BLOCK]
+    block_cum = pb.sum(dim=-1).double().cumsum(dim=-1)  # [R, nb]
+    target = (u * block_cum[:, -1])[:, None]  # [R, 1]
+    block = torch.searchsorted(block_cum, target, right=True).clamp_max(pb.shape[1] - 1)  # [R, 1]
+    before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp_min(0)), 0.0)  # mass before the block
+    inner_cum = pb[rows, block[:, 0]].double().cumsum(dim=-1)  # [R, BLOCK]
+    inner = torch.searchsorted(inner_cum, target - before, right=True).clamp_max(BLOCK - 1)
+    tokens = (block * BLOCK + inner)[:, 0].clamp_max(probs.shape[1] - 1)
+    positive = probs.gather(1, tokens[:, None])[:, 0] > 0
+    return torch.where(positive, tokens, argmax_rows(probs))
 
 
 def _pairs(x: torch.Tensor, row_idx: list[int], col_idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

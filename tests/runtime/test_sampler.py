@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from rtp.runtime.sampler import Sampler, SampleRow, filter_logits, is_plain_greedy, step_seed
+from rtp.runtime.sampler import (
+    Sampler,
+    SampleRow,
+    argmax_rows,
+    filter_logits,
+    inverse_cdf_sample,
+    is_plain_greedy,
+    step_seed,
+)
 from rtp.sampling import SamplingParams
 
 EOS = 3
@@ -322,3 +330,74 @@ def test_no_global_rng_use_and_no_input_mutation() -> None:
     Sampler([EOS, 1, 2]).sample(logits, rows)
     assert torch.equal(torch.random.get_rng_state(), state)
     assert torch.equal(logits, before_logits)
+
+
+@pytest.mark.parametrize("vocab", [1, 50, 128, 300, 1000])
+def test_argmax_rows_is_argmax(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(12, vocab, generator=gen)
+    x[::3, vocab // 2] = 9.0
+    x[::3, vocab - 1] = 9.0  # a tie across blocks: the first index wins
+    x[1::3, : vocab // 2] = float("-inf")
+    x[2] = float("-inf")  # every token masked: index 0, as argmax
+    for dtype in (torch.float32, torch.bfloat16):
+        assert argmax_rows(x.to(dtype)).tolist() == x.to(dtype).argmax(dim=-1).tolist()
+
+
+def test_inverse_cdf_sample_walks_the_cdf_exactly() -> None:
+    # Against a float64 CDF walked in Python: the first token whose cumulative mass exceeds u * total.
+    gen = torch.Generator().manual_seed(17)
+    vocab = 700  # several blocks and a padded last one
+    probs = torch.softmax(torch.randn(40, vocab, generator=gen) * 3, dim=-1)
+    probs[:, 5:400] = 0.0  # whole blocks of zeros, and tokens that must never be drawn
+    u = torch.rand(40, dtype=torch.float64, generator=gen)
+    u[0], u[1] = 0.0, 1.0 - 2.0**-53
+    tokens = inverse_cdf_sample(probs, u).tolist()
+    for r in range(40):
+        cdf = probs[r].double().cumsum(0)
+        target = u[r].item() * cdf[-1].item()
+        expected = int((cdf > target).nonzero()[0])
+        assert probs[r, tokens[r]] > 0, r
+        # float32 block sums may move a boundary by ~1e-7 of the mass: allow the neighbouring token then.
+        assert tokens[r] == expected or abs(cdf[tokens[r]].item() - target) < 1e-6, (r, tokens[r], expected)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6, top_k=40),
+    SamplingParams(temperature=1.3, top_p=0.7),
+    SamplingParams(temperature=1.0, top_k=100, top_p=0.9, min_p=0.05),
+])
+def test_chi_square_over_several_blocks(params: SamplingParams) -> None:
+    """Frequencies of 30000 draws over a 1000-token vocabulary follow the filtered target distribution."""
+    gen = torch.Generator().manual_seed(18)
+    vocab, num = 1000, 30000
+    base = torch.randn(vocab, generator=gen) * 2.5
+    logits = base.expand(num, vocab).contiguous()
+    tokens = torch.tensor(Sampler([], seed=19).sample(logits, [SampleRow(params, 0)] * num).token_ids)
+    keep = ref_keep(base, params.temperature, params.top_k, params.top_p, params.min_p)
+    target = torch.softmax((base.double() / params.temperature).masked_fill(~keep, -math.inf), 0)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[~keep].sum() == 0  # nothing outside the filters
+    # Pool the tokens into bins of >= 50 expected draws each (most likely first), then chi-square.
+    order = torch.argsort(target, descending=True)
+    bins: list[list[int]] = [[]]
+    acc = 0.0
+    for t in order.tolist():
+        if target[t] == 0:
+            break
+        bins[-1].append(t)
+        acc += target[t].item() * num
+        if acc >= 50:
+            bins.append([])
+            acc = 0.0
+    if not bins[-1] or acc < 50:  # fold a small last bin into the previous one
+        last = bins.pop()
+        bins[-1].extend(last)
+    obs = torch.tensor([counts[b].sum().item() for b in bins])
+    exp = torch.tensor([target[b].sum().item() * num for b in bins])
+    chi2 = ((obs - exp) ** 2 / exp).sum().item()
+    dof = len(bins) - 1
+    # Wilson-Hilferty: the chi-square quantile at p = 1e-4 (z = 3.72) for dof degrees of freedom.
+    bound = dof * (1 - 2 / (9 * dof) + 3.72 * math.sqrt(2 / (9 * dof))) ** 3 if dof > 0 else 1.0
+    assert chi2 < bound, (chi2, bound, dof)
