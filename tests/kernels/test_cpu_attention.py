@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rtp.kernels import cpu_attention
+from rtp.kernels import cpu_attention, cpu_build
 from rtp.kernels.paged_attention import paged_decode_attention_reference
 from tests.kernels.paged_attention_cases import CPU_CASES, Case, build
 
@@ -76,9 +76,9 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     lock = tmp_path / "rtp_test_ext" / "lock"
     lock.parent.mkdir()
     lock.touch()
-    cpu_attention._remove_stale_build_lock("rtp_test_ext")
+    cpu_build._remove_stale_build_lock("rtp_test_ext")
     assert lock.exists()
-    old = time.time() - 2 * cpu_attention._STALE_LOCK_S
+    old = time.time() - 2 * cpu_build._STALE_LOCK_S
     os.utime(lock, (old, old))
-    cpu_attention._remove_stale_build_lock("rtp_test_ext")
+    cpu_build._remove_stale_build_lock("rtp_test_ext")
     assert not lock.exists()

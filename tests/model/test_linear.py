@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from rtp.distributed.parallel import ParallelState
+from rtp.kernels import cpu_gemm
 from rtp.model.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
+    cpu_linear_method,
     onednn_packing_supported,
     pack_linear_weights,
     pack_weight,
@@ -36,7 +38,10 @@ def test_packed_linear_matches_f_linear(rows: int, in_f: int, out_f: int) -> Non
     torch.testing.assert_close(packed_linear(wide, packed), F.linear(wide, w), rtol=1e-5, atol=1e-5)
 
 
-def test_layers_give_the_same_output_after_packing() -> None:
+@pytest.mark.parametrize("method", ["onednn", "gemm"])
+def test_layers_give_the_same_output_after_packing(method: str) -> None:
+    if method == "gemm" and not cpu_gemm.available():
+        pytest.skip("no C++ compiler: the CPU GEMM cannot be built")
     ps = ParallelState.single()
     torch.manual_seed(0)
     col, row = ColumnParallelLinear(24, 40, ps, bias=True), RowParallelLinear(40, 24, ps, bias=True)
@@ -44,9 +49,24 @@ def test_layers_give_the_same_output_after_packing() -> None:
         p.data.normal_()
     x = torch.randn(5, 24)
     before = row(col(x))
-    assert pack_linear_weights(torch.nn.Sequential(col, row)) == 2
+    assert pack_linear_weights(torch.nn.Sequential(col, row), method) == 2  # type: ignore[arg-type]
     assert col.packed is not None and col.weight.numel() == 0  # the plain copy is dropped
+    assert col.packed_method == method
     torch.testing.assert_close(row(col(x)), before, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_linear_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert cpu_linear_method(torch.device("meta"), torch.float32) is None
+    assert cpu_linear_method(cpu, torch.float16) is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(cpu_gemm, "available", lambda: True)
+    assert cpu_linear_method(cpu, torch.float32) == "gemm"  # AVX2: oneDNN's fp32 is slow at decode shapes
+    monkeypatch.setattr(cpu_gemm, "available", lambda: False)
+    assert cpu_linear_method(cpu, torch.float32) == "onednn"  # no compiler: oneDNN still beats F.linear
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu_gemm, "available", lambda: True)
+    assert cpu_linear_method(cpu, torch.float32) == "onednn"
 
 
 def test_tied_lm_head_keeps_the_embedding_weight(tmp_path) -> None:  # noqa: ANN001

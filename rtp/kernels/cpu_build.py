@@ -1,0 +1,84 @@
+"""Build rtp's small C++ CPU kernels once, with torch's own extension loader.
+
+Each kernel module hands its source here; :func:`build` compiles it on first use
+(about 30-60 s, cached under ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``,
+keyed by the source, the torch build and this CPU) and imports it. Without a C++
+compiler, or if the build fails, it returns None and the caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from rtp.log import get_logger
+
+logger = get_logger(__name__)
+
+_STALE_LOCK_S = 600.0
+
+
+def _cpu_tag() -> str:
+    """Identifies this CPU model, so a cache folder shared between machines never serves -march=native code."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return hashlib.sha256(f"{platform.machine()}|{model}".encode()).hexdigest()[:8]
+
+
+def build(prefix: str, source: str, functions: list[str], extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:
+    """Compile (first use) and import ``source`` as ``rtp_<prefix>_<digest>``; None where it cannot be built."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        venv_bin = str(Path(sys.executable).parent)
+        if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin):
+            # The `ninja` dependency lives next to this interpreter, which a venv run without
+            # activation does not put on PATH; torch's loader looks for it there.
+            os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+        cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
+        # Keyed by the source, the flags and the torch build it links against, so two venvs never
+        # rebuild each other's copy.
+        key = f"{source}|{cflags}|{torch.__version__}|{Path(torch.__file__).parent}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+        name = f"rtp_{prefix}_{digest}_{_cpu_tag()}"
+        _remove_stale_build_lock(name)
+        logger.info("loading the CPU %s kernel (built on first use, about a minute)", prefix.replace("_", " "))
+        return load_inline(
+            name=name,
+            cpp_sources=[source],
+            functions=functions,
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: all mean "use torch"
+        logger.warning("CPU %s kernel unavailable (%s); using the slower torch path", prefix.replace("_", " "),
+                       str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return None
+
+
+def _remove_stale_build_lock(name: str) -> None:
+    """Remove a build lock left by a killed build: torch's loader would wait on it forever."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_S:  # a real build takes about a minute
+        logger.warning("removing the build lock %s, %.0f s old (a build was killed)", lock, age)
+        lock.unlink(missing_ok=True)
