@@ -1,4 +1,4 @@
-"""Paged decode attention for CPUs: a small C++ kernel built once with torch's own extension loader.
+"""Paged attention for CPUs: small C++ kernels built once with torch's own extension loader.
 
 On CPU the torch path of decode attention gathers every sequence's blocks into a
 padded ``[B, L, Hkv, D]`` copy and then runs SDPA over it: the KV bytes cross
@@ -8,6 +8,11 @@ task per (sequence, KV head), which scores the group's ``Hq / Hkv`` query heads
 against the sequence's own ``context_len`` keys, applies a softmax and sums the
 values. It is what the torch reference computes (``paged_decode_attention_reference``),
 in fp32 accumulation, for fp32/bf16/fp16 caches.
+
+Prompt chunks and mixed steps (:func:`paged_prefill_attention_cpu`) take the varlen kernel: one
+task per (sequence, KV head, chunk of 16 queries), an online softmax over the sequence's cached
+keys block by block (causal, so a chunk reads only the keys up to its last query), also straight
+from the paged cache: a cached prefix, earlier chunks and this step's own tokens alike.
 
 The source is compiled on first use by :func:`rtp.kernels.cpu_build.build` (about 30-60 s,
 cached). Without a C++ compiler, or if the build fails, :func:`load` returns None and the
@@ -124,13 +129,132 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   }
   return out;
 }
+
+template <typename T>
+static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const torch::Tensor& block_tables, const torch::Tensor& cu_q, const torch::Tensor& k_lens,
+                         torch::Tensor& out, double scale) {
+  // q, out: [T, Hq, D] contiguous; sequence b's q_len = cu_q[b+1] - cu_q[b] queries sit at the end of
+  // its k_lens[b] cached keys (positions k_len - q_len ..), causal. One task per (sequence, KV head,
+  // chunk of QC queries): an online softmax over the keys, block by block, in fp32.
+  constexpr int64_t QC = 16;
+  const int64_t B = k_lens.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), rep = Hq / Hkv;
+  const int64_t sb = k_cache.stride(0), st = k_cache.stride(1), sh = k_cache.stride(2);
+  const int64_t max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* cu = cu_q.data_ptr<int32_t>();
+  const int32_t* lens = k_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  // Tasks: (b, chunk) pairs flattened, times Hkv.
+  std::vector<int64_t> task_seq, task_q0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t q0 = cu[b]; q0 < cu[b + 1]; q0 += QC) { task_seq.push_back(b); task_q0.push_back(q0); }
+  const int64_t num_tasks = static_cast<int64_t>(task_seq.size()) * Hkv;
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows_max = QC * rep;
+    std::vector<float> qf(rows_max * D), acc(rows_max * D), m(rows_max), l(rows_max), s(rows_max * block_size);
+    std::vector<float> kf(block_size * D), vf(block_size * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task / Hkv, h = task % Hkv, b = task_seq[c], q0 = task_q0[c];
+      const int64_t qn = std::min<int64_t>(QC, cu[b + 1] - q0);
+      const int64_t k_len = lens[b], first_pos = k_len - (cu[b + 1] - cu[b]);  // position of query cu[b]
+      const int32_t* table = tables + b * max_blocks;
+      const int64_t rows = qn * rep;  // row i = (query i / rep, head h * rep + i % rep)
+      for (int64_t i = 0; i < rows; ++i) {
+        const T* src = qp + ((q0 + i / rep) * Hq + h * rep + i % rep) * D;
+        for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(src[d]) * fscale;
+      }
+      std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
+      std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      const int64_t last_pos = first_pos + (q0 - cu[b]) + qn - 1;  // the chunk's last query sees keys <= it
+      for (int64_t t0 = 0; t0 <= last_pos; t0 += block_size) {
+        const int64_t n = std::min(block_size, last_pos + 1 - t0);
+        const int64_t blk = table[t0 / block_size];
+        for (int64_t j = 0; j < n; ++j) {
+          const T* k = kp + blk * sb + j * st + h * sh;
+          const T* v = vp + blk * sb + j * st + h * sh;
+          for (int64_t d = 0; d < D; ++d) {
+            kf[j * D + d] = static_cast<float>(k[d]);
+            vf[j * D + d] = static_cast<float>(v[d]);
+          }
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t pos = first_pos + (q0 - cu[b]) + i / rep;
+          const int64_t visible = std::min<int64_t>(n, pos + 1 - t0);  // keys t0 .. pos of this block
+          if (visible <= 0) continue;
+          const float* qi = qf.data() + i * D;
+          float* si = s.data() + i * block_size;
+          float bmax = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < visible; ++j) {
+            const float* kj = kf.data() + j * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
+            si[j] = dot;
+            bmax = std::max(bmax, dot);
+          }
+          const float new_m = std::max(m[i], bmax);
+          const float corr = std::exp(m[i] - new_m);  // 0 on the first block (m = -inf)
+          float* ai = acc.data() + i * D;
+          float sum = 0.f;
+          for (int64_t j = 0; j < visible; ++j) { si[j] = std::exp(si[j] - new_m); sum += si[j]; }
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ai[d] *= corr;
+          for (int64_t j = 0; j < visible; ++j) {
+            const float pj = si[j];
+            const float* vj = vf.data() + j * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ai[d] += pj * vj[d];
+          }
+          l[i] = l[i] * corr + sum;
+          m[i] = new_m;
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        T* dst = op + ((q0 + i / rep) * Hq + h * rep + i % rep) * D;
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[i * D + d] * inv);
+      }
+    }
+  });
+}
+
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor cu_seqlens_q, torch::Tensor k_lens,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.strides() == v_cache.strides(), "bad shapes");
+  TORCH_CHECK(k_cache.stride(3) == 1 && q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
+              "query heads/dim do not fit the cache");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(cu_seqlens_q.numel() == k_lens.numel() + 1 && block_tables.size(0) == k_lens.numel(),
+              "one cu_seqlens_q entry per sequence plus one, one block table and key length per sequence");
+  q = q.contiguous();
+  auto tables = block_tables.to(torch::kInt32).contiguous();
+  auto cu = cu_seqlens_q.to(torch::kInt32).contiguous();
+  auto lens = k_lens.to(torch::kInt32).contiguous();
+  TORCH_CHECK(cu[-1].item<int64_t>() == q.size(0), "cu_seqlens_q must end at the number of query tokens");
+  auto out = torch::empty_like(q);
+  {
+    pybind11::gil_scoped_release no_gil;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_prefill",
+                                    [&] { prefill_impl<scalar_t>(q, k_cache, v_cache, tables, cu, lens, out, scale); });
+  }
+  return out;
+}
 """
 
 
 @functools.lru_cache(maxsize=1)
 def load() -> ModuleType | None:
     """Build (first use) and import the kernel; None where it cannot be built (the torch path stays)."""
-    return build("cpu_attention", _SOURCE, ["paged_decode"])
+    return build("cpu_attention", _SOURCE, ["paged_decode", "paged_prefill"])
 
 
 def paged_decode_attention_cpu(
@@ -146,3 +270,23 @@ def paged_decode_attention_cpu(
     if module is None:
         raise RuntimeError("the CPU paged-attention kernel is not available on this machine")
     return module.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal varlen attention over the paged cache: sequence b's queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``
+    are the last of its ``context_lens[b]`` keys (a cached prefix, earlier chunks, or none before them).
+
+    ``q [T, Hq, D]``; the step's own keys must already be stored in the cache. Returns ``[T, Hq, D]``.
+    """
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU paged-attention kernel is not available on this machine")
+    return module.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

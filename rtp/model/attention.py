@@ -3,8 +3,8 @@
 - ``"flash"``: flash-attn 2 (CUDA, fp16/bf16, Ampere or newer, block size a multiple of 256).
 - ``"triton"``: the Triton paged-attention kernels of :mod:`rtp.kernels.paged_attention`
   (CUDA without flash-attn; any block size; the decode kernel is CUDA-graph capturable).
-- ``"cpu"``: the C++ decode kernel of :mod:`rtp.kernels.cpu_attention` (reads the paged cache
-  once, no gather), the torch path for prefill; chosen on CPU when the kernel builds.
+- ``"cpu"``: the C++ kernels of :mod:`rtp.kernels.cpu_attention` (decode, and varlen for prompt
+  chunks and mixed steps; both read the paged cache once, no gather); chosen on CPU when they build.
 - ``"torch"``: the torch references of :mod:`rtp.kernels.paged_attention` (a GPU with neither,
   or a CPU without a compiler).
 
@@ -144,23 +144,14 @@ class PagedAttention(nn.Module):
     def _cpu(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, tables: torch.Tensor
     ) -> torch.Tensor:
-        # Decode rows go through the C++ kernel in one call; prompt chunks through the torch path.
+        # q: [T, Hq, D] -> [T, Hq, D]; this step's k/v are already in the cache.
         if meta.decode_only:
             return cpu_attention.paged_decode_attention_cpu(
                 q, self.k_cache, self.v_cache, tables, meta.context_lens, self.scale
             )
-        decode = [i for i, (n, kn) in enumerate(zip(meta.q_lens, meta.k_lens)) if n == 1 and kn > 1]
-        if len(decode) < 2:
-            return self._torch(q, k, v, meta, tables)
-        out = paged_prefill_attention_reference(
-            q, self.k_cache, self.v_cache, meta.q_lens, meta.k_lens, self.scale, tables, set(decode)
+        return cpu_attention.paged_prefill_attention_cpu(
+            q, self.k_cache, self.v_cache, tables, meta.cu_seqlens_q, meta.context_lens, self.scale
         )
-        seqs = torch.tensor(decode, device=q.device)
-        rows = meta.cu_seqlens_q[:-1].long()[seqs]  # [n_decode]: each decode row's place in the flat batch
-        out[rows] = cpu_attention.paged_decode_attention_cpu(
-            q[rows], self.k_cache, self.v_cache, tables[seqs], meta.context_lens[seqs], self.scale
-        )
-        return out
 
     def _torch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, tables: torch.Tensor | None

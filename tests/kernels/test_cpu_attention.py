@@ -1,4 +1,4 @@
-"""The C++ CPU decode kernel equals the torch reference, and the runtime uses it on CPU."""
+"""The C++ CPU decode and varlen kernels equal the torch references, and the runtime uses them on CPU."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rtp.kernels import cpu_attention, cpu_build
-from rtp.kernels.paged_attention import paged_decode_attention_reference
+from rtp.kernels.paged_attention import paged_decode_attention_reference, paged_prefill_attention_reference
 from tests.kernels.paged_attention_cases import CPU_CASES, Case, build
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C++ compiler: the kernel cannot be built")
@@ -19,6 +19,28 @@ CASES = [c for c in CPU_CASES if c.decode] + [
     # MQA: every query head reads the one KV head
     Case("decode-mqa", [1] * 5, [2, 15, 16, 17, 64], 6, 1, 32, 16),
 ]
+
+
+PREFILL_CASES = [c for c in CPU_CASES if not c.decode] + [
+    # Qwen3's head_dim, GQA 2:1, a long prompt over several 16-query chunks after a cached prefix,
+    # beside decode rows and a whole prompt
+    Case("mixed-d128-long", [1, 70, 33, 1], [300, 100, 33, 17], 16, 8, 128, 16),
+    # block size 1, MQA, one query chunk ending exactly on 16 queries
+    Case("prefill-mqa-bs1", [16, 17], [20, 17], 6, 1, 32, 1),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_varlen_kernel_matches_reference(case: Case, dtype: torch.dtype, atol: float) -> None:
+    t = build(case, torch.device("cpu"), dtype, torch.Generator().manual_seed(len(case.name)))
+    scale = case.head_dim**-0.5
+    ref = paged_prefill_attention_reference(t["q"].float(), t["k_cache"].float(), t["v_cache"].float(),
+                                            case.q_lens, case.k_lens, scale, t["tables"])
+    got = cpu_attention.paged_prefill_attention_cpu(t["q"], t["k_cache"], t["v_cache"], t["tables"], t["cu_q"],
+                                                    t["ctx"], scale)
+    assert got.dtype == dtype and got.shape == t["q"].shape
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=atol)  # poisoned unowned slots would show
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -39,10 +61,19 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(RuntimeError, match="do not fit"):
         cpu_attention.paged_decode_attention_cpu(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
                                                  torch.ones(2, dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        cpu_attention.paged_prefill_attention_cpu(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                                  torch.tensor([0, 2], dtype=torch.int32),
+                                                  torch.full((1,), 2, dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="end at the number of query tokens"):
+        cpu_attention.paged_prefill_attention_cpu(torch.zeros(2, 4, 16), cache, cache,
+                                                  torch.zeros(1, 1, dtype=torch.int32),
+                                                  torch.tensor([0, 3], dtype=torch.int32),
+                                                  torch.full((1,), 3, dtype=torch.int32), 1.0)
 
 
 def test_cpu_backend_layer_matches_torch_backend_on_mixed_steps() -> None:
-    # Decode rows beside prompt chunks (some with a cached prefix) take the kernel, the rest the torch path.
+    # Decode rows beside prompt chunks (some with a cached prefix): the cpu backend's kernels equal torch's path.
     from rtp.model.attention import PagedAttention
     from tests.kernels.paged_attention_cases import step_metadata
 
