@@ -110,13 +110,17 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
   });
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+static void check_q_and_caches(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.strides() == v_cache.strides(), "bad shapes");
   TORCH_CHECK(k_cache.stride(3) == 1 && q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
               "query heads/dim do not fit the cache");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  check_q_and_caches(q, k_cache, v_cache);
   q = q.contiguous();
   auto tables = block_tables.to(torch::kInt32).contiguous();
   auto lens = context_lens.to(torch::kInt32).contiguous();
@@ -228,11 +232,7 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor cu_seqlens_q, torch::Tensor k_lens,
                             double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.strides() == v_cache.strides(), "bad shapes");
-  TORCH_CHECK(k_cache.stride(3) == 1 && q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
-              "query heads/dim do not fit the cache");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  check_q_and_caches(q, k_cache, v_cache);
   TORCH_CHECK(cu_seqlens_q.numel() == k_lens.numel() + 1 && block_tables.size(0) == k_lens.numel(),
               "one cu_seqlens_q entry per sequence plus one, one block table and key length per sequence");
   q = q.contiguous();
@@ -257,6 +257,13 @@ def load() -> ModuleType | None:
     return build("cpu_attention", _SOURCE, ["paged_decode", "paged_prefill"])
 
 
+def _kernel() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU paged-attention kernel is not available on this machine")
+    return module
+
+
 def paged_decode_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -266,10 +273,7 @@ def paged_decode_attention_cpu(
     scale: float,
 ) -> torch.Tensor:
     """``q [B, Hq, D]`` attends its sequence's ``context_lens[b]`` cached keys; returns ``[B, Hq, D]``."""
-    module = load()
-    if module is None:
-        raise RuntimeError("the CPU paged-attention kernel is not available on this machine")
-    return module.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return _kernel().paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill_attention_cpu(
@@ -286,7 +290,4 @@ def paged_prefill_attention_cpu(
 
     ``q [T, Hq, D]``; the step's own keys must already be stored in the cache. Returns ``[T, Hq, D]``.
     """
-    module = load()
-    if module is None:
-        raise RuntimeError("the CPU paged-attention kernel is not available on this machine")
-    return module.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    return _kernel().paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
