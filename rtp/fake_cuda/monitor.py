@@ -113,7 +113,7 @@ class StepMonitor(TorchDispatchMode):
         gen = kwargs.get("generator")
         if gen is not None:
             self._check_generator(func, gen, tensors)
-            del kwargs["generator"]  # fake tensors draw nothing
+            kwargs["generator"] = None  # fake tensors draw nothing (some overloads need the argument)
         return func(*args, **kwargs)
 
     def _sync(self, what: str) -> None:
