@@ -11,10 +11,20 @@
 #   4. a short benchmark (scripts/bench.py --quick); its failure is reported, not fatal
 # Writes a markdown table (check, result, seconds) to $OUT/gpu_check.md if $OUT is set, else to
 # gpu_check.md in the repository root (gitignored). Exits non-zero when a check in 1-3 fails.
+#
+# scripts/gpu_check.sh --fake needs no GPU: it traces the CUDA path with fake CUDA tensors
+# (python -m rtp.fake_cuda: dense and MoE Qwen3, bf16, TP 1 and 2 on torch.distributed's fake
+# process group, the triton and torch attention backends; start-up, prefill, mixed and decode steps,
+# CUDA-graph capture and padded replay, the sampler), prints one row per (model, TP, backend, stage),
+# writes it to gpu_check_fake.md ($OUT or the repository root) and exits non-zero on any failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" = --fake ]; then
+    [ -n "${OUT:-}" ] && mkdir -p "$OUT"
+    exec "$PY" -m rtp.fake_cuda --out "${OUT:+$OUT/}gpu_check_fake.md"
+fi
 REPORT="${OUT:+$OUT/}gpu_check.md"
 [ -n "${OUT:-}" ] && mkdir -p "$OUT"
 LOGS="$(mktemp -d)"

@@ -14,12 +14,19 @@ the grouped GEMM belongs to one expert. Two kernels follow: gate/up with
 SiLU-and-mul into an intermediate buffer, then down with the routing weight
 applied; the ``top_k`` rows of each token are summed at the end. The alignment
 is pure tensor code (no host sync), so the path can be captured in a CUDA graph.
+
+On CUDA, :func:`fused_moe` goes through the torch custom op ``rtp::fused_moe``: its real
+implementation launches the Triton kernels (the torch path where triton is missing); its fake one
+checks shapes, dtypes and devices, traces the alignment (so a host sync there shows) and returns an
+empty ``[T, H]``, so the CUDA path can be traced with fake CUDA tensors (:mod:`rtp.fake_cuda`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from rtp.kernels.op_checks import FLOAT_DTYPES, check_device, check_dim, check_dtype, check_same_dtype, check_shape
 
 try:
     import triton
@@ -209,10 +216,50 @@ def fused_moe_triton(
     return y.view(num_tokens, k, hidden).sum(dim=1)  # [T, H]
 
 
+def check_fused_moe_args(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> None:
+    """Raise :class:`~rtp.kernels.op_checks.KernelArgError` unless the arguments of ``rtp::fused_moe`` fit."""
+    op = "rtp::fused_moe"
+    check_dim(op, "x", x, 2, "[T, H]")
+    check_dim(op, "w13", w13, 3, "[E, 2I, H]")
+    num_experts, two_inter, hidden = w13.shape
+    check_shape(op, "x", x, (x.shape[0], hidden), "[T, H] with w13's H")
+    check_shape(op, "w2", w2, (num_experts, hidden, two_inter // 2), "[E, H, I]")
+    check_dim(op, "topk_ids", topk_ids, 2, "[T, k]")
+    check_shape(op, "topk_ids", topk_ids, (x.shape[0], topk_ids.shape[1]), "[T, k]")
+    check_shape(op, "topk_weights", topk_weights, tuple(topk_ids.shape), "topk_ids' [T, k]")
+    check_device(op, x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    check_same_dtype(op, x=x, w13=w13, w2=w2, topk_weights=topk_weights)
+    check_dtype(op, FLOAT_DTYPES, x=x)
+    check_dtype(op, (torch.int32, torch.int64), topk_ids=topk_ids)
+
+
+@torch.library.custom_op("rtp::fused_moe", mutates_args=())
+def _fused_moe_op(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    check_fused_moe_args(x, w13, w2, topk_weights, topk_ids)
+    if triton is not None:
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_moe_op.register_fake
+def _fused_moe_fake(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    check_fused_moe_args(x, w13, w2, topk_weights, topk_ids)
+    # The alignment is the op's only torch code besides the kernels: trace it (shapes depend on T, k, E only).
+    block_m = _block_sizes(topk_ids.numel(), x.shape[1], w2.shape[2])[0]
+    align_by_expert(topk_ids, w13.shape[0], block_m)
+    return x.new_empty(x.shape)  # [T, H]
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    """Mixture-of-experts FFN: the fused Triton kernels on CUDA, the grouped torch path elsewhere."""
-    if x.is_cuda and triton is not None:
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    """Mixture-of-experts FFN: the ``rtp::fused_moe`` op (Triton kernels) on CUDA, the grouped torch path elsewhere."""
+    if x.is_cuda:
+        return torch.ops.rtp.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)

@@ -3,11 +3,26 @@
 Cache layout (flash-attn's paged layout): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 Token t goes to flat slot ``slot_mapping[t] = block_id * block_size + offset``;
 a slot of -1 means "do not store" (padding rows of a CUDA graph batch).
+
+On CUDA, :func:`store_kv` goes through the torch custom op ``rtp::store_kv``: its real
+implementation launches the Triton kernel (the torch reference where triton is missing), its fake
+implementation checks the arguments and writes nothing, so the CUDA path can be traced with fake
+CUDA tensors on a machine without a GPU (:mod:`rtp.fake_cuda`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from rtp.kernels.op_checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    KernelArgError,
+    check_device,
+    check_dim,
+    check_same_dtype,
+    check_shape,
+)
 
 try:
     import triton
@@ -64,11 +79,47 @@ def store_kv_triton(
     )
 
 
+def check_store_kv_args(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Raise :class:`~rtp.kernels.op_checks.KernelArgError` unless the arguments fit one another."""
+    op = "rtp::store_kv"
+    check_dim(op, "key", key, 3, "[T, Hkv, D]")
+    check_shape(op, "value", value, tuple(key.shape), "key's [T, Hkv, D]")
+    check_dim(op, "k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]")
+    check_shape(op, "v_cache", v_cache, tuple(k_cache.shape), "k_cache's shape")
+    check_shape(op, "key", key, (key.shape[0], *k_cache.shape[2:]), "[T, Hkv, D] of the cache's heads")
+    check_shape(op, "slot_mapping", slot_mapping, (key.shape[0],), "[T]")
+    check_device(op, key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    check_same_dtype(op, k_cache=k_cache, key=key, value=value, v_cache=v_cache)
+    if key.dtype not in FLOAT_DTYPES or slot_mapping.dtype not in INDEX_DTYPES:
+        raise KernelArgError(f"{op}: key is {key.dtype} and slot_mapping {slot_mapping.dtype}; expected a float "
+                         "cache dtype and int32/int64 slots")
+
+
+@torch.library.custom_op("rtp::store_kv", mutates_args=("k_cache", "v_cache"))
+def _store_kv_op(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
+    if triton is not None:
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+@_store_kv_op.register_fake
+def _store_kv_fake(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
+
+
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store K/V into the paged cache: Triton on CUDA (graph-capturable), the torch reference on CPU."""
-    if key.is_cuda and triton is not None:
-        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    """Store K/V into the paged cache: the ``rtp::store_kv`` op on CUDA (graph-capturable), the reference on CPU."""
+    if key.is_cuda:
+        torch.ops.rtp.store_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
