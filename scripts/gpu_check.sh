@@ -19,7 +19,8 @@
 # writes it to gpu_check_fake.md ($OUT or the repository root) and exits non-zero on any failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
+# The interpreter: $PYTHON, else the venv scripts/test.sh sets up (when there is one), else python3.
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${1:-}" = --fake ]; then
     [ -n "${OUT:-}" ] && mkdir -p "$OUT"
