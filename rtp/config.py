@@ -77,7 +77,8 @@ class RtpConfig:
     device: str = "auto"
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
     dtype: str = "auto"
-    """"auto" (bfloat16 on cuda, float32 on cpu), "float32", "bfloat16" or "float16"."""
+    """"auto" (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else float32), "float32", "bfloat16",
+    "float16"."""
     block_size: int | None = None
     """Tokens per KV block; a power of two in 1..1024, or None for 256 with flash-attn and 16 otherwise.
 

@@ -80,7 +80,7 @@ def test_cpu_file_is_the_default_and_fits_any_rank_count() -> None:
     assert config.tensor_parallel_size is None
     for world_size in (1, 2, 3, 4):
         assert resolve_tp_size(config, world_size) == world_size
-    assert config.device == "cpu" and config.dtype == "float32" and config.enforce_eager
+    assert config.device == "cpu" and config.dtype == "auto" and config.enforce_eager
     assert config.cpu_kv_cache_gib == 0.5 and config.block_size == 16
 
 

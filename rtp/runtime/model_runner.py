@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from rtp.core.step import StepPlan
 from rtp.distributed.parallel import ParallelState
 from rtp.errors import ConfigError
+from rtp.kernels.cpu_features import native_bf16
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend
 from rtp.model.linear import cpu_linear_method, pack_linear_weights
@@ -27,9 +28,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" is bfloat16 on GPU and float32 on CPU (bf16 matmul is very slow on CPUs)."""
+    """"auto" is bfloat16 on GPU and on CPUs with native bf16 (AVX-512 BF16 / AMX), else float32.
+
+    As vLLM's CPU backend chooses: without native bf16 instructions a CPU gains little speed from
+    bf16 and loses precision.
+    """
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (device.type == "cpu" and native_bf16()):
+            return torch.bfloat16
+        return torch.float32
     return _DTYPES[name]
 
 

@@ -162,7 +162,7 @@ def two_nodes(tmp_path):
 
 def config(tmp_path: Path, **overrides: object) -> Path:
     data = yaml.safe_load((REPO / "configs" / "cpu.yaml").read_text())
-    data.update(model=str(default_model_dir()), **overrides)
+    data.update({"model": str(default_model_dir()), "dtype": "float32", **overrides})  # compared with HF fp32
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

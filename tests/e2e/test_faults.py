@@ -30,9 +30,9 @@ LIVENESS_S = 4.0  # liveness_timeout_s of the heartbeat tests
 
 
 def config_file(tmp_path: Path, **overrides: object) -> Path:
-    """configs/cpu.yaml with ``overrides``, written to a file of its own."""
+    """configs/cpu.yaml in float32 (outputs are compared across runs) with ``overrides``, in a file of its own."""
     data = yaml.safe_load((REPO / "configs" / "cpu.yaml").read_text())
-    data.update(overrides)
+    data.update({"dtype": "float32", **overrides})
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -24,8 +24,8 @@ def test_shared_prefix_is_computed_once_and_output_is_unchanged(tmp_path):
     first = [prefix + suffix() for _ in range(3)]
     second = [prefix + suffix() for _ in range(3)]
     (tmp_path / "prompts.json").write_text(json.dumps([first, second]))
-    (tmp_path / "c.yaml").write_text(f"model: {default_model_dir()}\ndevice: cpu\nblock_size: 16\nnum_kv_blocks: 256\n"
-                                     "enable_prefix_caching: true\n")
+    (tmp_path / "c.yaml").write_text(f"model: {default_model_dir()}\ndevice: cpu\ndtype: float32\nblock_size: 16\n"
+                                     "num_kv_blocks: 256\nenable_prefix_caching: true\n")
     torchrun(WORKER, 2, str(tmp_path / "c.yaml"), str(tmp_path / "prompts.json"), str(tmp_path / "out.json"))
     a, b = json.loads((tmp_path / "out.json").read_text())
 

@@ -89,9 +89,13 @@ def test_greedy_generation_equals_transformers(tp, hf, tmp_path):
     (tmp_path / "in.jsonl").write_text("".join(
         json.dumps({"prompt": p, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True}) + "\n"
         for p in PROMPTS))
-    # No --model: the trained model is the default.
+    # No --model: the trained model is the default. The shipped config, in float32 (as HF runs here).
+    config = tmp_path / "cpu.yaml"
+    config.write_text((REPO / "configs" / "cpu.yaml").read_text().replace("\ndtype: auto\n", "\ndtype: float32\n"))
+    assert "dtype: float32" in config.read_text()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-           "launch/generate.py", "--prompts-file", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+           "launch/generate.py", "--config", str(config), "--prompts-file", str(tmp_path / "in.jsonl"),
+           "--output", str(tmp_path / "out.jsonl")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=380,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -39,9 +39,10 @@ def mixed_start(runner: ModelRunner, ps: ParallelState, n: int, logits, tokens: 
 
 def run_model(
     ps: ParallelState, model_dir: str, prompts: list[list[int]], steps: int, expert_parallel: bool = False,
-    mixed: bool = False,
+    mixed: bool = False, dtype: str = "float32",
 ) -> dict:
-    runner = ModelRunner(ps, model_dir, block_size=BLOCK, num_kv_blocks=512, expert_parallel=expert_parallel)
+    runner = ModelRunner(ps, model_dir, dtype=dtype, block_size=BLOCK, num_kv_blocks=512,
+                         expert_parallel=expert_parallel)
     # Each sequence gets its own blocks, in reverse order so the block table is not the identity.
     tables, next_block = [], 511
     for p in prompts:

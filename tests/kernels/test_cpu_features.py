@@ -1,0 +1,47 @@
+"""dtype "auto" on CPU follows the CPU's native bf16 support, as vLLM's CPU backend does."""
+
+import pytest
+import torch
+
+from rtp.kernels import cpu_features
+from rtp.runtime.model_runner import resolve_dtype
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def cpu_with(monkeypatch):
+    def set_cpu(flags: set[str], onednn_bf16: bool = True) -> None:
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
+
+    return set_cpu
+
+
+@pytest.mark.parametrize(
+    "flags, onednn_bf16, expected",
+    [
+        ({"avx2", "fma"}, False, torch.float32),  # AVX2 only: bf16 is a storage format there
+        ({"avx512f", "avx512bw"}, True, torch.float32),  # AVX-512 without BF16 dot products
+        ({"avx512f", "avx512_bf16"}, True, torch.bfloat16),
+        ({"avx512f", "amx_bf16", "amx_tile"}, True, torch.bfloat16),
+        ({"avx512_bf16"}, False, torch.float32),  # torch's oneDNN cannot use it
+    ],
+)
+def test_auto_dtype_on_cpu(cpu_with, flags, onednn_bf16, expected):
+    cpu_with(flags, onednn_bf16)
+    assert resolve_dtype("auto", CPU) == expected
+
+
+def test_explicit_dtype_and_cuda_are_unaffected(cpu_with):
+    cpu_with({"avx2"}, False)
+    assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
+    assert resolve_dtype("float32", CPU) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_cpu_flags_reads_this_machine():
+    flags = cpu_features.cpu_flags()
+    assert isinstance(flags, frozenset)
+    if flags:  # Linux: x86 CPUs list sse2, ARM ones fp or asimd
+        assert flags & {"sse2", "fp", "asimd"}
