@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from rtp.runtime import sampler as sampler_module
 from rtp.runtime.sampler import (
     Sampler,
     SampleRow,
@@ -63,8 +64,11 @@ def apply_filters(logits: torch.Tensor, params: list[tuple[float, int, float, fl
     return filter_logits(logits, temps, ks, ps, ms)
 
 
+@pytest.mark.parametrize("head", [None, 4])
 @pytest.mark.parametrize("ties", [False, True])
-def test_filter_masks_match_reference(ties: bool) -> None:
+def test_filter_masks_match_reference(ties: bool, head: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if head is not None:  # top-p's sorted head shorter than the vocabulary: covered rows and whole sorts
+        monkeypatch.setattr(sampler_module, "TOP_P_HEAD", head)
     gen = torch.Generator().manual_seed(1 if ties else 2)
     num_rows, vocab = 300, 40
     if ties:
