@@ -6,7 +6,8 @@
 
 Each input line is {"prompt": "..."} or {"prompt_token_ids": [...]}, plus any
 SamplingParams field (temperature, max_tokens, stop, seed, ...). Without
---prompts-file a few built-in prompts are generated and printed.
+--prompts-file a few built-in prompts are generated and printed. Every config
+key is a flag too (``--max-num-seqs``, ``--dtype``, ...; rtp/entrypoints/flags.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 
 import rtp
 from rtp.cli import add_common_args, fail
+from rtp.entrypoints.flags import ENGINE_FLAGS, OneLineParser, add_flags, load_config_from_args
 from rtp.errors import RequestError, RtpError
 from rtp.outputs import CompletionOutput, RequestOutput
 
@@ -63,8 +65,9 @@ def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams], list[int]]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)
+    add_flags(ap, ENGINE_FLAGS)
     ap.add_argument("--prompts-file", help="JSONL input")
     ap.add_argument("--output", help="JSONL output (default: print)")
     ap.add_argument("--max-tokens", type=int, default=32, help="max_tokens for the built-in demo prompts")
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             prompts, linenos = DEMO_PROMPTS, []
             params = [rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(prompts)
-        rtp.init(args.config, model=args.model)  # worker ranks serve inside init() and exit there
+        rtp.init(load_config_from_args(args, ENGINE_FLAGS))  # worker ranks serve inside init() and exit there
         try:
             outputs = rtp.generate(prompts, params)
         except RequestError as e:  # "prompt <i>: why" -> "<file>:<line>: why"
