@@ -39,6 +39,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 GREEDY_PROMPT = "The quick brown fox"
+CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # see rtp/runtime/onednn_caches.py
 
 
 @dataclass

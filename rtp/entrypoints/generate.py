@@ -27,6 +27,9 @@ from rtp.outputs import CompletionOutput, RequestOutput
 DEMO_PROMPTS = ["If music be the food of love,", "Friends, Romans, countrymen,", "Now is the winter of our discontent",
                 "The quick brown fox"]
 PARAM_FIELDS = {f.name for f in dataclasses.fields(rtp.SamplingParams) if f.init}
+# The demo prints each prompt's greedy continuation and a seeded sample beside it: greedy decoding of the
+# small shipped model loops ("The king of the king"), a sample reads more like a play.
+DEMO_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "seed": 0}
 
 
 def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams], list[int]]:
@@ -80,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompts_file:
             prompts, params, linenos = read_requests(args.prompts_file)
         else:
-            prompts, linenos = DEMO_PROMPTS, []
-            params = [rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(prompts)
+            prompts, linenos = DEMO_PROMPTS + DEMO_PROMPTS, []
+            params = ([rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(DEMO_PROMPTS)
+                      + [rtp.SamplingParams(max_tokens=args.max_tokens, **DEMO_SAMPLING)] * len(DEMO_PROMPTS))
         rtp.init(load_config_from_args(args, ENGINE_FLAGS))  # worker ranks serve inside init() and exit there
         try:
             outputs = rtp.generate(prompts, params)
@@ -99,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))
         print(f"wrote {len(lines)} completions to {args.output}")
+    elif not args.prompts_file:
+        settings = ", ".join(f"{k} {v}" for k, v in DEMO_SAMPLING.items())
+        half = len(DEMO_PROMPTS)
+        for prompt, greedy, sampled in zip(DEMO_PROMPTS, outputs[:half], outputs[half:]):
+            print(f"{prompt!r}\n  greedy:  {greedy.text!r} ({greedy.finish_reason})\n"
+                  f"  sampled: {sampled.text!r} ({sampled.finish_reason}; {settings})")
     else:
         for prompt, o in zip(prompts, outputs):
             print(f"{prompt!r} -> {o.text!r} ({o.finish_reason})")
