@@ -29,7 +29,7 @@ DEMO_PROMPTS = ["If music be the food of love,", "Friends, Romans, countrymen,",
 PARAM_FIELDS = {f.name for f in dataclasses.fields(rtp.SamplingParams) if f.init}
 # The demo prints each prompt's greedy continuation and a seeded sample beside it: greedy decoding of the
 # small shipped model loops ("The king of the king"), a sample reads more like a play.
-DEMO_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "seed": 0}
+DEMO_TEMPERATURE, DEMO_TOP_P, DEMO_SEED = 0.8, 0.95, 0
 
 
 def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams], list[int]]:
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             prompts, linenos = DEMO_PROMPTS + DEMO_PROMPTS, []
             params = ([rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(DEMO_PROMPTS)
-                      + [rtp.SamplingParams(max_tokens=args.max_tokens, **DEMO_SAMPLING)] * len(DEMO_PROMPTS))
+                      + [rtp.SamplingParams(max_tokens=args.max_tokens, temperature=DEMO_TEMPERATURE, top_p=DEMO_TOP_P,
+                                           seed=DEMO_SEED)] * len(DEMO_PROMPTS))
         rtp.init(load_config_from_args(args, ENGINE_FLAGS))  # worker ranks serve inside init() and exit there
         try:
             outputs = rtp.generate(prompts, params)
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write("".join(line + "\n" for line in lines))
         print(f"wrote {len(lines)} completions to {args.output}")
     elif not args.prompts_file:
-        settings = ", ".join(f"{k} {v}" for k, v in DEMO_SAMPLING.items())
+        settings = f"temperature {DEMO_TEMPERATURE}, top_p {DEMO_TOP_P}, seed {DEMO_SEED}"
         half = len(DEMO_PROMPTS)
         for prompt, greedy, sampled in zip(DEMO_PROMPTS, outputs[:half], outputs[half:]):
             print(f"{prompt!r}\n  greedy:  {greedy.text!r} ({greedy.finish_reason})\n"
