@@ -1,10 +1,11 @@
 """Abort storms against a TP=2 server: nothing lost, gauges back to 0, greedy unchanged, and RSS that plateaus.
 
 A warm-up storm and three more of 100 streaming requests each (32 clients, every stream dropped after
-0-6 chunks, every 10th request timed out by its client). Before oneDNN's per-shape caches were bounded
-(rtp.runtime.onednn_caches) each rank grew ~30 MB per storm on this machine (+100 MB over the three
-measured storms, with both caches at their default 1024); bounded, +7-8 MB, nearly all in the first
-of them. The bound below allows 15.
+0-6 chunks, every 10th request timed out by its client). Where oneDNN runs the linears (AVX-512 CPUs),
+before its per-shape caches were bounded (rtp.runtime.onednn_caches), each rank grew ~30 MB per
+storm (+100 MB over the three measured storms, with both caches at their default 1024); bounded,
++7-8 MB, nearly all in the first of them. The bound below allows 15. With rtp's panel GEMM (AVX2
+CPUs) there is no such cache and no growth either way.
 """
 
 from __future__ import annotations
