@@ -54,8 +54,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("tensor_parallel_size", ("--tensor-parallel-size", "-tp"), int,
          "ranks the model is split over; `rtp serve` starts that many (default: torchrun's world size)"),
     Flag("device", ("--device",), str, "auto (cuda when available), cpu or cuda", ("auto", "cpu", "cuda")),
-    Flag("dtype", ("--dtype",), _dtype, "auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16 "
-         "(vLLM's half, float, bf16 accepted)", metavar="{auto,float32,bfloat16,float16}"),
+    Flag("dtype", ("--dtype",), _dtype, "auto (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else "
+         "float32), float32, bfloat16, float16 (vLLM's half, float, bf16 accepted)",
+         metavar="{auto,float32,bfloat16,float16}"),
     Flag("block_size", ("--block-size",), int, "tokens per KV block, a power of two in 1..1024"),
     Flag("max_num_seqs", ("--max-num-seqs",), int, "most sequences running at once"),
     Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), int, "most query tokens in one step"),
