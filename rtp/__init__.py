@@ -33,6 +33,9 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
     global _current
     from rtp.assets import trained_model_dir
     from rtp.runtime.coordinator import start
+    from rtp.runtime.onednn_caches import bound_onednn_caches
+
+    bound_onednn_caches()  # before any oneDNN primitive exists: their capacities are read once
 
     if _current is not None:
         raise RtpError("rtp.init() was already called; call rtp.shutdown() first")

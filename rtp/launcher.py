@@ -1,10 +1,13 @@
 """The ``rtp`` command: ``rtp serve`` and ``rtp generate`` start torchrun for you.
 
-    rtp serve --nproc-per-node 2 --port 8000
+    rtp serve MODEL --tensor-parallel-size 2 --dtype float32 --max-num-seqs 32 --port 8000
     rtp generate --prompts-file prompts.jsonl --output out.jsonl
 
-Each takes the flags of ``launch/serve.py`` / ``launch/generate.py`` (``rtp serve --help``) plus
-``--nproc-per-node`` (default: the config's ``tensor_parallel_size``, else 1), and runs
+Each takes the flags of ``launch/serve.py`` / ``launch/generate.py`` (``rtp serve --help``: every
+config key, in vLLM's spelling where vLLM has the setting) plus ``--nproc-per-node``. The number
+of ranks is ``--nproc-per-node``, else ``--tensor-parallel-size``, else the config's
+``tensor_parallel_size``, else 1. Every flag and the config are checked here, before any rank
+starts: a bad value fails with one line naming the flag (or the key). Then it runs
 ``torchrun --standalone --nproc-per-node N -m rtp.entrypoints.<command> ...`` through torch's own
 launcher API (``torch.distributed.run``): a free rendezvous port, the ranks are children of
 this process.
@@ -31,12 +34,19 @@ def _usage() -> str:
     return "usage: rtp {serve,generate} [--nproc-per-node N] [flags of the command; see rtp <command> --help]"
 
 
-def default_nproc(config_path: str | None, model: str | None) -> int:
-    """The config's ``tensor_parallel_size``, else 1."""
-    from rtp.config import default_config_path, load_config
+def ranks_to_start(module: str, args: argparse.Namespace) -> int:
+    """Check the command's flags and config as its ranks will (ConfigError naming the flag); the rank count."""
+    from rtp.entrypoints.flags import ENGINE_FLAGS, SERVER_FLAGS, load_config_from_args
 
-    config = load_config(config_path or default_config_path(), model=model)
-    return config.tensor_parallel_size or 1
+    flags = ENGINE_FLAGS + (SERVER_FLAGS if module == COMMANDS["serve"] else ())
+    config = load_config_from_args(args, flags)
+    nproc, tp = args.nproc_per_node, args.tensor_parallel_size
+    if nproc is not None and tp is not None and nproc != tp:
+        raise RtpError(f"--nproc-per-node {nproc} and --tensor-parallel-size {tp} disagree: give one of them")
+    nproc = nproc or config.tensor_parallel_size or 1
+    if nproc < 1:
+        raise RtpError(f"--nproc-per-node must be >= 1, got {nproc}")
+    return nproc
 
 
 def torchrun_args(module: str, nproc: int, forward: list[str]) -> argparse.Namespace:
@@ -56,21 +66,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{_usage()}\nrtp: error: unknown command {command!r}", file=sys.stderr)
         return 2
     module = COMMANDS[command]
-    parser = importlib.import_module(module).build_parser()
+    entry = importlib.import_module(module)
+    parser = entry.build_parser()
     parser.prog = f"rtp {command}"
     parser.add_argument("--nproc-per-node", type=int, metavar="N",
-                        help="number of ranks (= TP size; default: the config's tensor_parallel_size, else 1)")
+                        help="number of ranks (= TP size; default: --tensor-parallel-size, else the config's "
+                             "tensor_parallel_size, else 1)")
     args = parser.parse_args(rest)  # bad flags fail here, before any rank starts
+    if hasattr(entry, "resolve_args"):
+        entry.resolve_args(parser, args)  # e.g. serve's positional MODEL
     # The command's own flags go to every rank unchanged; only --nproc-per-node is the launcher's.
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--nproc-per-node", type=int)
     _, forward = own.parse_known_args(rest)
-    nproc = args.nproc_per_node
     try:
-        if nproc is None:
-            nproc = default_nproc(args.config, args.model)
-        if nproc < 1:
-            raise RtpError(f"--nproc-per-node must be >= 1, got {nproc}")
+        nproc = ranks_to_start(module, args)
     except RtpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -6,7 +6,8 @@
 
 Each input line is {"prompt": "..."} or {"prompt_token_ids": [...]}, plus any
 SamplingParams field (temperature, max_tokens, stop, seed, ...). Without
---prompts-file a few built-in prompts are generated and printed.
+--prompts-file a few built-in prompts are generated and printed. Every config
+key is a flag too (``--max-num-seqs``, ``--dtype``, ...; rtp/entrypoints/flags.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 
 import rtp
 from rtp.cli import add_common_args, fail
+from rtp.entrypoints.flags import ENGINE_FLAGS, OneLineParser, add_flags, load_config_from_args
 from rtp.errors import RequestError, RtpError
 from rtp.outputs import CompletionOutput, RequestOutput
 
@@ -25,6 +27,9 @@ from rtp.outputs import CompletionOutput, RequestOutput
 DEMO_PROMPTS = ["If music be the food of love,", "Friends, Romans, countrymen,", "Now is the winter of our discontent",
                 "The quick brown fox"]
 PARAM_FIELDS = {f.name for f in dataclasses.fields(rtp.SamplingParams) if f.init}
+# The demo prints each prompt's greedy continuation and a seeded sample beside it: greedy decoding of the
+# small shipped model loops ("The king of the king"), a sample reads more like a play.
+DEMO_TEMPERATURE, DEMO_TOP_P, DEMO_SEED = 0.8, 0.95, 0
 
 
 def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams], list[int]]:
@@ -63,8 +68,9 @@ def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams], list[int]]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)
+    add_flags(ap, ENGINE_FLAGS)
     ap.add_argument("--prompts-file", help="JSONL input")
     ap.add_argument("--output", help="JSONL output (default: print)")
     ap.add_argument("--max-tokens", type=int, default=32, help="max_tokens for the built-in demo prompts")
@@ -77,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompts_file:
             prompts, params, linenos = read_requests(args.prompts_file)
         else:
-            prompts, linenos = DEMO_PROMPTS, []
-            params = [rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(prompts)
-        rtp.init(args.config, model=args.model)  # worker ranks serve inside init() and exit there
+            prompts, linenos = DEMO_PROMPTS + DEMO_PROMPTS, []
+            params = ([rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(DEMO_PROMPTS)
+                      + [rtp.SamplingParams(max_tokens=args.max_tokens, temperature=DEMO_TEMPERATURE, top_p=DEMO_TOP_P,
+                                           seed=DEMO_SEED)] * len(DEMO_PROMPTS))
+        rtp.init(load_config_from_args(args, ENGINE_FLAGS))  # worker ranks serve inside init() and exit there
         try:
             outputs = rtp.generate(prompts, params)
         except RequestError as e:  # "prompt <i>: why" -> "<file>:<line>: why"
@@ -96,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))
         print(f"wrote {len(lines)} completions to {args.output}")
+    elif not args.prompts_file:
+        settings = f"temperature {DEMO_TEMPERATURE}, top_p {DEMO_TOP_P}, seed {DEMO_SEED}"
+        half = len(DEMO_PROMPTS)
+        for prompt, greedy, sampled in zip(DEMO_PROMPTS, outputs[:half], outputs[half:]):
+            print(f"{prompt!r}\n  greedy:  {greedy.text!r} ({greedy.finish_reason})\n"
+                  f"  sampled: {sampled.text!r} ({sampled.finish_reason}; {settings})")
     else:
         for prompt, o in zip(prompts, outputs):
             print(f"{prompt!r} -> {o.text!r} ({o.finish_reason})")

@@ -43,6 +43,7 @@ from rtp.outputs import RequestOutput
 from rtp.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerShuttingDownError
 from rtp.server.chat_output import ChatOutput, ToolMode
 from rtp.server.metrics import ServerMetrics
+from rtp.server.prompt_batch import batch_completions
 from rtp.server.protocol import (
     TEMPLATE_RESERVED,
     ApiError,
@@ -57,6 +58,10 @@ from rtp.server.protocol import (
     unsupported_hint,
 )
 from rtp.server.responses import ResponseBuilder
+from rtp.server.responses_api import route as responses_route
+from rtp.server.responses_protocol import ResponsesRequest
+from rtp.server.responses_schemas import STREAM_EVENTS as RESPONSES_STREAM_EVENTS
+from rtp.server.responses_schemas import ResponseObject, responses_sse
 from rtp.server.schemas import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -161,7 +166,7 @@ class _Api:
         self.engine, self.server, self.model_name = engine, config.server, model_name
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = int(engine.engine.max_model_len)
-        self.metrics = ServerMetrics(lambda: self.engine.stats)
+        self.metrics = ServerMetrics(lambda: self.engine.stats, model_name)
         self.created = int(time.time())
         # Tokenizing and chat templates take milliseconds per prompt (a second for a 1 MiB one): on
         # the event loop they would stall every stream, /health and the failure answers. One thread
@@ -351,6 +356,8 @@ class _Api:
         req: CompletionRequest = await self.read_body(request, CompletionRequest)
         self.check_model(req)
         req.check_supported()
+        if len(req.prompts()) > 1:
+            return await batch_completions(self, request, req)
         constraint = await self.constraint(req.grammar_spec())
         stream, ids, rid = await self.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt", constraint)
         build = ResponseBuilder("text_completion", rid, self.model_name, self.tokenizer, len(ids), req.logprobs)
@@ -515,6 +522,9 @@ def build_app(async_engine: AsyncEngine, config: RtpConfig, model_name: str) -> 
                       summary="Create a chat completion",
                       responses={200: {"model": ChatCompletionResponse}, **generation_errors},
                       openapi_extra=sse_response(ChatCompletionChunk))
+    app.add_api_route("/v1/responses", _guard(responses_route(api)), methods=["POST"],
+                      dependencies=auth, summary="Create a response (OpenAI's Responses API)",
+                      responses={200: {"model": ResponseObject}, **generation_errors}, openapi_extra=responses_sse())
     app.add_api_route("/v1/models", _guard(api.models), methods=["GET"], dependencies=auth, summary="List models",
                       response_model=None,
                       responses={200: {"model": ModelList}, **error_responses(401, 500)})
@@ -538,8 +548,9 @@ def build_app(async_engine: AsyncEngine, config: RtpConfig, model_name: str) -> 
                       responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse,
                                                                         "description": "the engine is not serving"}})
     install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest},
-                    stream_chunks=(ChatCompletionChunk,))
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+                          "/v1/responses": ResponsesRequest},
+                    stream_chunks=(ChatCompletionChunk, *RESPONSES_STREAM_EVENTS))
 
     def error_response(e: ApiError) -> JSONResponse:
         api.metrics.observe_error(e.status)

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from rtp.outputs import RequestOutput
+from rtp.server.vllm_metrics import VllmMetricsCollector
 
 # Latency buckets in seconds: from a few ms (tiny models, decode steps) to minutes (long generations).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -46,9 +47,13 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    """The server's metrics; ``stats`` returns the engine's latest stats dict."""
+    """The server's metrics; ``stats`` returns the engine's latest stats dict.
 
-    def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
+    Every series is exported under rtp's name and under vLLM's (rtp.server.vllm_metrics), labelled
+    with ``model_name``.
+    """
+
+    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str = "rtp") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("rtp_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
@@ -62,7 +67,11 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("rtp_e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=_E2E_BUCKETS, registry=r)
+        self.tpot = Histogram("rtp_request_time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (output tokens - 1).",
+                              buckets=_ITL_BUCKETS, registry=r)
         r.register(_EngineStatsCollector(stats))
+        r.register(VllmMetricsCollector(self, stats, model_name))
 
     def observe_tokens(self, num_tokens: int, seconds: float) -> None:
         """``num_tokens`` new tokens arrived ``seconds`` after the previous ones."""
@@ -86,6 +95,9 @@ class ServerMetrics:
             self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
         if out.finish_time is not None and out.arrival_time:
             self.e2e.observe(max(0.0, out.finish_time - out.arrival_time))
+        tokens = out.num_completion_tokens
+        if out.finish_time is not None and out.first_token_time is not None and tokens > 1:
+            self.tpot.observe(max(0.0, out.finish_time - out.first_token_time) / (tokens - 1))
 
     def observe_error(self, status: int) -> None:
         self.errors.labels(status=str(status)).inc()

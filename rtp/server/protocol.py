@@ -73,9 +73,10 @@ class _Strict(BaseModel):
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-# A single prompt: text, token ids, or a "batch" holding exactly one of them (OpenAI's shape).
-Prompt = (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
-          | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (each one is a request in the engine)
+# Text, token ids, or a batch of either (OpenAI's shape): one choice per prompt (n per prompt).
+Prompt = (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_PROMPTS)]
+          | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
 
 
 class StreamOptions(_Strict):
@@ -204,9 +205,10 @@ class CommonRequest(_Strict):
 
 
 class CompletionRequest(CommonRequest):
-    """Body of POST /v1/completions (one prompt: text, token ids, or a list holding one of them)."""
+    """Body of POST /v1/completions: one prompt (text or token ids) or a list of prompts."""
 
-    prompt: Prompt = Field(description="one prompt: text, token ids, or a list holding exactly one of them")
+    prompt: Prompt = Field(description="text, token ids, or a list of prompts (texts or token-id lists): "
+                                       "choice i * n + j is sample j of prompt i")
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = Field(default=None, description="return the prompt before the completion (with logprobs: "
                                                           "the prompt tokens' logprobs too)")
@@ -221,19 +223,23 @@ class CompletionRequest(CommonRequest):
         try:
             return handler(value)
         except ValidationError:
-            if isinstance(value, list) and len(value) > 1 and all(isinstance(x, (str, list)) for x in value):
-                raise PydanticCustomError("prompt_batch", "got {n} prompts: rtp serves one prompt per request",
-                                          {"n": len(value)}) from None
+            if isinstance(value, list) and len(value) > MAX_PROMPTS and all(isinstance(x, (str, list)) for x in value):
+                raise PydanticCustomError("prompt_batch", "got {n} prompts: at most {limit} per request",
+                                          {"n": len(value), "limit": MAX_PROMPTS}) from None
             raise PydanticCustomError(
-                "prompt_type", "must be a non-empty string or a non-empty list of non-negative token ids "
-                "(or a list holding exactly one of these)") from None
+                "prompt_type", "must be a non-empty string, a non-empty list of non-negative token ids, "
+                "or a list of these (one per prompt)") from None
 
-    def prompt_value(self) -> str | list[int]:
-        """The single prompt as text or token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt, as text or token ids (one for a single prompt)."""
         p = self.prompt
         if isinstance(p, list) and isinstance(p[0], (str, list)):
-            return p[0]  # a batch of one
-        return p
+            return list(p)
+        return [p]
+
+    def prompt_value(self) -> str | list[int]:
+        """The first (for a single-prompt request: the) prompt, as text or token ids."""
+        return self.prompts()[0]
 
 
 class ContentPart(_Strict):

@@ -63,3 +63,37 @@ def test_every_sample_and_the_prompt_logprobs_reach_the_output_file(tmp_path):
     lps = first["prompt_logprobs"]
     assert lps[0] is None and len(lps) > 1 and all(isinstance(d, dict) and d for d in lps[1:])
     assert "outputs" not in second and "prompt_logprobs" not in second
+
+
+@pytest.mark.timeout(300)
+def test_demo_prints_the_greedy_continuation_and_a_seeded_sample_of_each_prompt():
+    """Without --prompts-file: each built-in prompt's greedy line equals transformers' greedy decoding of the
+    shipped model, and a sample (temperature 0.8, top_p 0.95, seed 0) is printed beside it."""
+    import ast
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rtp.assets import trained_model_dir
+    from rtp.entrypoints.generate import DEMO_PROMPTS
+    from tests.utils import hf_greedy
+
+    proc = subprocess.run([sys.executable, "launch/generate.py", "--max-tokens", "8", "--dtype", "float32"],
+                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.findall(r"^('.*')\n  greedy:  ('.*'|\".*\") \((\w+)\)\n  sampled: ('.*'|\".*\") \((\w+); (.*)\)$",
+                       proc.stdout, re.MULTILINE)
+    assert [ast.literal_eval(f[0]) for f in found] == DEMO_PROMPTS, proc.stdout
+    model = AutoModelForCausalLM.from_pretrained(trained_model_dir(), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(trained_model_dir()))
+    greedy, sampled = [], []
+    for prompt, text, reason, sample, _, settings in found:
+        want = tok.decode(hf_greedy(model, tok.encode(ast.literal_eval(prompt)), 8))
+        text = ast.literal_eval(text)
+        # An EOS ends the greedy line early ("stop"); transformers' continuation here never stops.
+        assert text == want if reason == "length" else (reason == "stop" and want.startswith(text)), (text, want)
+        assert settings == "temperature 0.8, top_p 0.95, seed 0"
+        greedy.append(text)
+        sampled.append(ast.literal_eval(sample))
+    assert sampled != greedy  # the sample is drawn, not a second greedy line

@@ -349,7 +349,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": 5}, 400, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": ["a", [1, 2]]}, 400, "prompt"),  # a list of prompts is all texts or all ids
     ("completions", {"prompt": [1, "b"]}, 400, "prompt"),
     ("completions", {}, 400, "prompt"),
     ("completions", {"prompt": list(range(1, MAX_MODEL_LEN + 1))}, 400, "prompt"),  # longer than the context

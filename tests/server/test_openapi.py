@@ -86,7 +86,8 @@ def test_every_route_documents_its_responses_and_errors(schema):
     ops = {(path, method): op for path, item in schema["paths"].items() for method, op in item.items()}
     assert set(ops) == {("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
                         ("/v1/models/{model_id}", "get"), ("/metrics", "get"), ("/health", "get"),
-                        ("/tokenize", "post"), ("/detokenize", "post"), ("/version", "get")}
+                        ("/tokenize", "post"), ("/detokenize", "post"), ("/version", "get"),
+                        ("/v1/responses", "post")}
     for (path, _method), op in ops.items():
         assert "422" not in op["responses"], path  # validation errors are OpenAI-style 400s
         assert op["responses"]["200"]["content"], path

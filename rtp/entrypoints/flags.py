@@ -1,0 +1,188 @@
+"""Every config key as a command-line flag, spelled as vLLM spells it where vLLM has the setting.
+
+    rtp serve MODEL --tensor-parallel-size 2 --dtype float32 --max-num-seqs 32 --no-enable-prefix-caching
+
+A flag overrides the YAML (``--config``); a flag that is not given changes nothing. Values are
+checked before any rank starts: argparse checks the type (``--max-num-seqs x``), then
+:func:`load_config_from_args` checks each flag's value against the config's rules on its own, so the
+one-line error names the flag (``--max-num-seqs=0 is invalid: expected an integer >= 1``), and last the
+whole config (rules that join keys). Keys vLLM has no flag for keep rtp's own name in the same style
+(``--cpu-kv-cache-gib``, ``--liveness-timeout-s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from rtp.config import RtpConfig, default_config_path, load_config
+from rtp.errors import ConfigError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One config key on the command line: ``key`` is the config key ("server.port" for a server setting)."""
+
+    key: str
+    names: tuple[str, ...]
+    type: Callable[[str], Any] | None  # None: a boolean with its --no- form
+    help: str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+
+# vLLM's spellings of dtype values, mapped to rtp's.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _dtype(value: str) -> str:
+    return _DTYPE_ALIASES.get(value, value)
+
+
+ENGINE_FLAGS: tuple[Flag, ...] = (
+    Flag("tensor_parallel_size", ("--tensor-parallel-size", "-tp"), int,
+         "ranks the model is split over; `rtp serve` starts that many (default: torchrun's world size)"),
+    Flag("device", ("--device",), str, "auto (cuda when available), cpu or cuda", ("auto", "cpu", "cuda")),
+    Flag("dtype", ("--dtype",), _dtype, "auto (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else "
+         "float32), float32, bfloat16, float16 (vLLM's half, float, bf16 accepted)",
+         metavar="{auto,float32,bfloat16,float16}"),
+    Flag("block_size", ("--block-size",), int, "tokens per KV block, a power of two in 1..1024"),
+    Flag("max_num_seqs", ("--max-num-seqs",), int, "most sequences running at once"),
+    Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), int, "most query tokens in one step"),
+    Flag("max_model_len", ("--max-model-len",), int, "longest prompt + completion (default: the model's)"),
+    Flag("enable_prefix_caching", ("--enable-prefix-caching",), None, "reuse KV blocks of identical prefixes"),
+    Flag("expert_parallel", ("--enable-expert-parallel", "-ep"), None, "MoE: whole experts per rank"),
+    Flag("gpu_memory_utilization", ("--gpu-memory-utilization",), float,
+         "fraction of each GPU's memory rtp may use, in (0, 1]"),
+    Flag("num_kv_blocks", ("--num-gpu-blocks-override", "--num-kv-blocks"), int,
+         "fixed number of KV blocks per rank instead of the memory-based sizing"),
+    Flag("cpu_kv_cache_gib", ("--cpu-kv-cache-gib",), float, "KV cache per rank on CPU, in GiB"),
+    Flag("enforce_eager", ("--enforce-eager",), None, "no CUDA graphs"),
+    Flag("cuda_graph_max_batch", ("--max-cudagraph-capture-size",), int, "largest decode batch in a CUDA graph"),
+    Flag("shm_chunk_bytes", ("--shm-chunk-bytes",), int, "bytes per chunk of the step-plan ring"),
+    Flag("shm_num_chunks", ("--shm-num-chunks",), int, "chunks of the step-plan ring"),
+    Flag("liveness_timeout_s", ("--liveness-timeout-s",), float, "seconds without a heartbeat before a rank is hung"),
+    Flag("step_timeout_s", ("--step-timeout-s",), float, "seconds one step may run before it is reported stuck"),
+    Flag("seed", ("--seed",), int, "seed of the default random generator"),
+    Flag("log_level", ("--log-level",), str, "log level of rank 0", ("DEBUG", "INFO", "WARNING", "ERROR"),
+         metavar="{DEBUG,INFO,WARNING,ERROR}"),
+)
+
+SERVER_FLAGS: tuple[Flag, ...] = (
+    Flag("server.host", ("--host",), str, "address to listen on"),
+    Flag("server.port", ("--port",), int, "TCP port, 0 for a free one"),
+    Flag("server.api_key", ("--api-key",), str, "require 'Authorization: Bearer KEY' (default: $RTP_API_KEY)"),
+    Flag("server.served_model_name", ("--served-model-name",), str, "model name in the API (default: the folder's)"),
+    Flag("server.max_request_bytes", ("--max-request-bytes",), int, "larger request bodies get a 413"),
+    Flag("server.max_tokens_limit", ("--max-tokens-limit",), int, "upper bound on a request's max_tokens"),
+    Flag("server.default_max_tokens", ("--default-max-tokens",), int, "max_tokens of a request that gives none"),
+    Flag("server.shutdown_grace_s", ("--shutdown-timeout",), float,
+         "on SIGTERM, seconds running requests may take to finish"),
+    Flag("server.reasoning_parser", ("--reasoning-parser",), str,
+         "split <think>...</think> of chat outputs into reasoning_content", ("qwen3",)),
+    Flag("server.tool_call_parser", ("--tool-call-parser",), str, "parse Qwen3's <tool_call> blocks into tool_calls",
+         ("hermes", "qwen3")),
+    Flag("server.enable_auto_tool_choice", ("--enable-auto-tool-choice",), None,
+         'allow tool_choice "auto", the default with tools; needs --tool-call-parser'),
+)
+
+
+def _dest(flag: Flag) -> str:
+    return flag.key.replace(".", "__")
+
+
+def add_flags(ap: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
+    """Add ``flags`` to ``ap``; each defaults to None (not given: the YAML's value stands)."""
+    for flag in flags:
+        help_text = f"{flag.help} (config: {flag.key})"
+        if flag.type is None:
+            ap.add_argument(*flag.names, dest=_dest(flag), action=argparse.BooleanOptionalAction, default=None,
+                            help=help_text)
+        else:
+            ap.add_argument(*flag.names, dest=_dest(flag), type=flag.type, choices=flag.choices, default=None,
+                            metavar=flag.metavar, help=help_text)
+
+
+def given(args: argparse.Namespace, flags: Sequence[Flag]) -> list[tuple[Flag, Any]]:
+    """The flags of ``flags`` given on the command line, with their values."""
+    return [(f, getattr(args, _dest(f))) for f in flags if getattr(args, _dest(f), None) is not None]
+
+
+def overrides(pairs: Sequence[tuple[Flag, Any]]) -> dict[str, Any]:
+    """``load_config`` keyword overrides for flag values: top-level keys plus a ``server`` mapping."""
+    out: dict[str, Any] = {}
+    for flag, value in pairs:
+        section, _, name = flag.key.rpartition(".")
+        if section:
+            out.setdefault(section, {})[name] = value
+        else:
+            out[name] = value
+    return out
+
+
+_INVALID = re.compile(r"^\S+: \S+=.* is invalid: (.*)$")
+
+
+def _flag_error(flag: Flag, value: Any, error: ConfigError) -> ConfigError:  # noqa: ANN401
+    shown = str(value).lower() if isinstance(value, bool) else value
+    if flag.key == "server.api_key":
+        shown = "<hidden>"  # a key never goes to a log
+    m = _INVALID.match(str(error))
+    why = f"expected {m.group(1).removeprefix('expected ')}" if m else str(error)
+    return ConfigError(f"{flag.names[0]}={shown} is invalid: {why}")
+
+
+def load_config_from_args(args: argparse.Namespace, flags: Sequence[Flag], **extra: Any) -> RtpConfig:
+    """The config of ``args.config`` (default: configs/cpu.yaml) with ``args.model`` and every given flag applied.
+
+    ``extra`` are further overrides (None values ignored). Raises ConfigError naming the flag whose
+    value the config refuses, else naming the key (a bad YAML value, or a rule joining several keys).
+    """
+    path = args.config or default_config_path()
+    pairs = given(args, flags)
+    if pairs:
+        load_config(path)  # the file's own errors name the file
+    for flag, value in pairs:  # then one flag at a time: an error here is this flag's
+        try:
+            load_config(path, **overrides([(flag, value)]))
+        except ConfigError as e:
+            raise _flag_error(flag, value, e) from None
+    merged = overrides(pairs)
+    for key, value in extra.items():
+        if isinstance(value, dict):
+            merged.setdefault(key, {}).update({k: v for k, v in value.items() if v is not None})
+        elif value is not None:
+            merged[key] = value
+    return load_config(path, model=args.model, **merged)
+
+
+def api_key_from_env(args: argparse.Namespace) -> None:
+    """``--api-key`` falls back to $RTP_API_KEY (which stays out of the process list)."""
+    if getattr(args, "server__api_key", None) is None and os.environ.get("RTP_API_KEY"):
+        args.server__api_key = os.environ["RTP_API_KEY"]
+
+
+def add_model_argument(ap: argparse.ArgumentParser) -> None:
+    """``rtp serve MODEL``: the checkpoint as a positional argument, as ``vllm serve MODEL`` takes it."""
+    ap.add_argument("model_tag", nargs="?", metavar="MODEL", help="HF Qwen3 checkpoint folder (same as --model)")
+
+
+def resolve_model_argument(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Merge the positional MODEL into ``args.model``; two different models are an error."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and os.path.normpath(args.model) != os.path.normpath(tag):
+        ap.error(f"the model is given twice: {tag!r} and --model {args.model!r}")
+    args.model = tag

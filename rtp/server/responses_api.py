@@ -1,0 +1,260 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat path.
+
+The request is mapped onto a chat completion (rtp.server.responses_protocol), so the prompt, the
+tool grammars and the sampling are the chat route's; the generated text goes through the same
+:class:`ChatOutput` (Qwen3 reasoning parser, tool-call parsing) and its message is then written as
+Responses output items: a ``reasoning`` item (the think block, with ``--reasoning-parser qwen3``),
+a ``message`` item with the text, and one ``function_call`` item per tool call.
+
+A stream sends OpenAI's events, each as ``event: <type>`` and ``data: <json>``: response.created
+and response.in_progress; per output item response.output_item.added, its content part's
+added/delta/done events (response.output_text.delta, response.reasoning_text.delta, or
+response.function_call_arguments.delta/done for a call) and response.output_item.done; and last
+response.completed (or response.incomplete when max_output_tokens ran out), carrying the whole
+Response. An error after the stream started is an ``error`` event, and the stream ends there.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from rtp.outputs import RequestOutput
+from rtp.server.async_engine import RequestStream
+from rtp.server.chat_output import ChatOutput, ToolMode
+from rtp.server.protocol import ApiError, NamedToolChoice
+from rtp.server.responses_protocol import ResponsesRequest
+from rtp.server.sse import ClosingEventStream
+
+if TYPE_CHECKING:
+    from rtp.server.api import _Api
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseWriter:
+    """Builds one request's Response object and, when streamed, its events in order."""
+
+    def __init__(self, req: ResponsesRequest, response_id: str, model: str, num_prompt_tokens: int,
+                 output: ChatOutput) -> None:
+        self.req, self.id, self.model, self.output = req, response_id, model, output
+        self.num_prompt_tokens = num_prompt_tokens
+        self.created = time.time()
+        self.items: list[dict[str, Any]] = []  # output items, in order
+        self._open: dict[str, Any] | None = None  # the item being streamed
+        self._seq = 0
+
+    # ---- the Response object ----
+
+    def response(self, status: str, out: RequestOutput | None, reasoning_tokens: int = 0) -> dict[str, Any]:
+        usage = None
+        if out is not None:
+            output_tokens = out.num_completion_tokens
+            usage = {"input_tokens": self.num_prompt_tokens,
+                     "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                     "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                     "total_tokens": self.num_prompt_tokens + output_tokens}
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": list(self.items), "usage": usage, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                **self.req.echo_fields()}
+
+    @staticmethod
+    def status_of(out: RequestOutput) -> str:
+        return "incomplete" if out.finish_reason == "length" else "completed"
+
+    def items_of(self, message: dict[str, Any], status: str) -> list[dict[str, Any]]:
+        """Output items of a finished chat message (reasoning, text, tool calls)."""
+        items: list[dict[str, Any]] = []
+        if message.get("reasoning_content"):
+            items.append({"type": "reasoning", "id": _id("rs"), "summary": [], "status": status,
+                          "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+        calls = message.get("tool_calls") or []
+        if message.get("content") or not calls:
+            items.append({"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
+                          "content": [{"type": "output_text", "text": message.get("content") or "",
+                                       "annotations": [], "logprobs": []}]})
+        for call in calls:
+            items.append({"type": "function_call", "id": _id("fc"), "call_id": call["id"],
+                          "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                          "status": "completed"})
+        return items
+
+    # ---- stream events ----
+
+    def event(self, type_: str, **fields: Any) -> str:
+        body = {"type": type_, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return f"event: {type_}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def opening(self) -> list[str]:
+        r = self.response("in_progress", None)
+        return [self.event("response.created", response=r), self.event("response.in_progress", response=r)]
+
+    def _start(self, kind: str, call: dict[str, Any] | None = None) -> list[str]:
+        events = self._finish_open()
+        index = len(self.items)
+        part: dict[str, Any] | None
+        if kind == "function_call":
+            assert call is not None
+            item: dict[str, Any] = {"type": "function_call", "id": _id("fc"), "call_id": call["id"],
+                                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+            part = None
+        elif kind == "reasoning":
+            item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        events.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
+        if part is not None:
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                     content_index=0, part=dict(part)))
+            item["content"] = [part]
+        self.items.append(item)
+        self._open = item
+        return events
+
+    def _append(self, kind: str, text: str) -> list[str]:
+        item = self._open
+        assert item is not None
+        index = len(self.items) - 1
+        if kind == "function_call":
+            item["arguments"] += text
+            return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                               delta=text)]
+        item["content"][0]["text"] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
+        return [self.event(name, item_id=item["id"], output_index=index, content_index=0, delta=text, **extra)]
+
+    def _finish_open(self, status: str = "completed") -> list[str]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = len(self.items) - 1
+        item["status"] = status if item["type"] != "function_call" else "completed"
+        events = []
+        if item["type"] == "function_call":
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                     arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            name = "response.reasoning_text" if item["type"] == "reasoning" else "response.output_text"
+            extra: dict[str, Any] = {} if item["type"] == "reasoning" else {"logprobs": []}
+            events.append(self.event(f"{name}.done", item_id=item["id"], output_index=index, content_index=0,
+                                     text=part["text"], **extra))
+            events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                     content_index=0, part=dict(part)))
+        events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def delta_events(self, delta: dict[str, Any]) -> list[str]:
+        """Events for one chat delta ({"reasoning_content", "content", "tool_calls"}, any of them)."""
+        events: list[str] = []
+        for key, kind in (("reasoning_content", "reasoning"), ("content", "message")):
+            text = delta.get(key)
+            if not text:
+                continue
+            if self._open is None or self._open["type"] != kind:
+                events += self._start(kind)
+            events += self._append(kind, text)
+        for call in delta.get("tool_calls") or []:
+            if "id" in call:  # a new call (its first delta names it)
+                events += self._start("function_call", call)
+            arguments = (call.get("function") or {}).get("arguments")
+            if arguments:
+                events += self._append("function_call", arguments)
+        return events
+
+    def closing(self, out: RequestOutput, reasoning_tokens: int) -> list[str]:
+        status = self.status_of(out)
+        events = self._finish_open(status)
+        if not self.items:  # nothing was generated but EOS: an empty message, as a non-streamed answer has
+            events += self._start("message") + self._finish_open(status)
+        name = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*events, self.event(name, response=self.response(status, out, reasoning_tokens))]
+
+
+def route(api: _Api) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint of POST /v1/responses bound to ``api`` (FastAPI reads its ``request`` parameter)."""
+
+    async def responses(request: Request) -> Response:
+        return await create_response(api, request)
+
+    return responses
+
+
+async def create_response(api: _Api, request: Request) -> Response:
+    """The handler of POST /v1/responses."""
+    from rtp.server.api import _ClientGone, _runtime_error
+
+    req: ResponsesRequest = await api.read_body(request, ResponsesRequest)
+    if req.model is not None:
+        api.check_model_name(req.model)
+    chat = req.to_chat()
+    chat.check_supported()
+    choice = chat.effective_tool_choice()
+    auto_ok = api.server.enable_auto_tool_choice and api.server.tool_call_parser is not None
+    if choice == "auto" and chat.tools and not auto_ok:
+        raise ApiError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
+                            '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
+                            '"required" or a named function', "tool_choice")
+    mode: ToolMode = "named" if isinstance(choice, NamedToolChoice) else choice  # type: ignore[assignment]
+    text = await api.render_chat(chat.conversation(), chat.tool_dicts(), chat.chat_template_kwargs, True)
+    constraint = await api.constraint(chat.tool_grammar() or chat.grammar_spec())
+    stream, ids, _ = await api.submit(chat, text, None, "resp", "input", constraint)
+    output = ChatOutput(reasoning=api.server.reasoning_parser is not None, tool_mode=mode,
+                        tool_name=choice.function.name if isinstance(choice, NamedToolChoice) else None)
+    writer = ResponseWriter(req, _id("resp"), api.model_name, len(ids), output)
+    if req.stream:
+        return ClosingEventStream(_events(api, stream, writer), [stream])
+    try:
+        out = await api.collect(request, stream, len(ids))
+    except _ClientGone:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _runtime_error(e, "input") from None
+    message = output.message(out.text)
+    writer.items = writer.items_of(message, writer.status_of(out))
+    reasoning_tokens = await _count_tokens(api, message.get("reasoning_content"))
+    return JSONResponse(writer.response(writer.status_of(out), out, reasoning_tokens))
+
+
+async def _count_tokens(api: _Api, text: str | None) -> int:
+    if not text:
+        return 0
+    return len(await api.off_loop(api.tokenizer.encode, text, add_special_tokens=False))
+
+
+async def _events(api: _Api, stream: RequestStream, writer: ResponseWriter) -> AsyncIterator[str]:
+    from rtp.server.api import _runtime_error, _Tracker
+
+    tracker = _Tracker(api.metrics, writer.num_prompt_tokens)
+    reasoning = ""
+    try:
+        for event in writer.opening():
+            yield event
+        async for out in stream:
+            tracker.update(out)
+            delta = writer.output.delta(out.new_text, out.finished)
+            reasoning += delta.get("reasoning_content") or ""
+            for event in writer.delta_events(delta):
+                yield event
+            if out.finished:
+                for event in writer.closing(out, await _count_tokens(api, reasoning)):
+                    yield event
+    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+        err = _runtime_error(e, "input")
+        yield writer.event("error", code=err.code, message=err.message, param=err.param)
+    finally:
+        stream.close()
+        tracker.done()

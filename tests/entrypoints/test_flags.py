@@ -1,0 +1,82 @@
+"""Config keys as vLLM-spelled flags: parsing, YAML overrides, one-line errors naming the flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rtp.config import RtpConfig
+from rtp.entrypoints import serve
+from rtp.entrypoints.flags import ENGINE_FLAGS, SERVER_FLAGS, load_config_from_args
+from rtp.errors import ConfigError
+from tests.utils import REPO
+
+
+def config_of(argv: list[str]) -> RtpConfig:
+    return load_config_from_args(serve.parse_args(argv), ENGINE_FLAGS + SERVER_FLAGS)
+
+
+def test_every_config_key_has_a_flag():
+    import dataclasses
+
+    keys = {f.key for f in ENGINE_FLAGS + SERVER_FLAGS}
+    top = {f.name for f in dataclasses.fields(RtpConfig)} - {"model", "server"}
+    server = {f"server.{f.name}" for f in dataclasses.fields(RtpConfig().server)}
+    assert keys == top | server
+
+
+def test_flags_override_the_yaml(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_num_seqs: 8\nblock_size: 16\nenable_prefix_caching: true\nserver:\n  port: 1234\n")
+    c = config_of(["/models/x", "--config", str(cfg), "--max-num-seqs", "32", "-tp", "2", "--dtype", "half",
+                   "--no-enable-prefix-caching", "--max-model-len", "512", "--gpu-memory-utilization", "0.5",
+                   "--seed", "7", "--max-num-batched-tokens", "1024", "--shutdown-timeout", "3", "--enforce-eager"])
+    assert (c.model, c.max_num_seqs, c.tensor_parallel_size, c.dtype, c.enable_prefix_caching, c.max_model_len,
+            c.gpu_memory_utilization, c.seed, c.max_num_batched_tokens, c.enforce_eager) == \
+        ("/models/x", 32, 2, "float16", False, 512, 0.5, 7, 1024, True)
+    assert c.block_size == 16 and c.server.port == 1234 and c.server.shutdown_grace_s == 3.0  # the YAML's, kept
+    assert config_of(["--config", str(cfg)]).max_num_seqs == 8
+
+
+def test_positional_model_and_model_flag():
+    assert serve.parse_args(["/m"]).model == "/m"
+    assert serve.parse_args(["--model", "/m"]).model == "/m"
+    assert serve.parse_args(["/m", "--model", "/m/"]).model == "/m"
+    with pytest.raises(SystemExit):
+        serve.parse_args(["/a", "--model", "/b"])
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--max-num-seqs", "0"], "--max-num-seqs=0 is invalid: expected an integer >= 1"),
+    (["--block-size", "48"], "--block-size=48 is invalid: expected a power of two"),
+    (["--dtype", "float64"], "--dtype=float64 is invalid: expected one of auto, float32"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 is invalid"),
+    (["--port", "70000"], "--port=70000 is invalid"),
+])
+def test_bad_values_name_the_flag(argv, words):
+    with pytest.raises(ConfigError, match="^" + words.replace(".", r"\.").replace("(", r"\(")):
+        config_of(argv)
+
+
+def test_rtp_serve_bad_flags_fail_in_one_line_before_any_rank_starts(tmp_path):
+    env_cmd = [sys.executable, "-m", "rtp.launcher", "serve"]
+    for argv, rc, words in ((["--max-num-seqs", "0"], 1, "--max-num-seqs=0 is invalid"),
+                            (["--max-num-seqs", "x"], 2, "argument --max-num-seqs: invalid int value: 'x'"),
+                            (["--tensor-parallel-size", "2", "--nproc-per-node", "3"], 1, "disagree"),
+                            (["--no-such-flag"], 2, "unrecognized arguments")):
+        proc = subprocess.run([*env_cmd, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == rc and len(lines) == 1 and words in lines[0], (argv, proc.stderr)
+
+
+def test_tensor_parallel_size_sets_the_rank_count():
+    from rtp.launcher import ranks_to_start
+
+    args = serve.parse_args(["--tensor-parallel-size", "2"])
+    args.nproc_per_node = None
+    assert ranks_to_start("rtp.entrypoints.serve", args) == 2
+    args = serve.parse_args([])
+    args.nproc_per_node = None
+    assert ranks_to_start("rtp.entrypoints.serve", args) == 1  # cpu.yaml leaves tensor_parallel_size null

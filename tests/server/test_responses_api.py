@@ -1,0 +1,147 @@
+"""/v1/responses against the fake engine, through the official openai client (its Responses types).
+
+The prompt must be the chat template applied to instructions + input, the sampling fields must
+reach SamplingParams, and the output, usage and stream events must be what the SDK parses.
+Reasoning and tool-call items are checked on the writer with a ChatOutput fed known text.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from rtp.server.chat_output import ChatOutput
+from rtp.server.responses_api import ResponseWriter
+from rtp.server.responses_protocol import ResponsesRequest
+from tests.server.test_api import MODEL, expected_text, make_app
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from rtp.testing import default_model_dir
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+
+
+@pytest.fixture
+def served(tokenizer):
+    app, engine, _ = make_app(tokenizer)
+    with TestClient(app, raise_server_exceptions=False) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        yield client, http, engine
+
+
+def template(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_plain_text_input_with_instructions(served, tokenizer):
+    client, _, engine = served
+    r = client.responses.create(model=MODEL, input="Name a colour.", instructions="Be terse.", max_output_tokens=5,
+                                temperature=0.5, top_p=0.9)
+    ids, params, _ = engine.added[-1]
+    assert ids == template(tokenizer, [{"role": "system", "content": "Be terse."},
+                                       {"role": "user", "content": "Name a colour."}])
+    assert (params.max_tokens, params.temperature, params.top_p) == (5, 0.5, 0.9)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == expected_text(tokenizer, 5)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # 5 tokens ran out
+    assert [item.type for item in r.output] == ["message"] and r.output[0].role == "assistant"
+    assert r.usage.input_tokens == len(ids) and r.usage.output_tokens == 5 and r.usage.total_tokens == len(ids) + 5
+    assert r.instructions == "Be terse." and r.max_output_tokens == 5 and r.temperature == 0.5
+
+
+def test_message_input_with_function_call_history(served, tokenizer):
+    client, http, engine = served
+    # The tool prompt is longer than the fake's 64-token context: widen it for this test.
+    http.app.state.api.max_model_len = engine.max_model_len = 2048
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "rain"}]
+    client.responses.create(model=MODEL, input=items, max_output_tokens=3, tools=tools, tool_choice="none")
+    ids, _, _ = engine.added[-1]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Weather in Oslo?"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                               "arguments": '{"city": "Oslo"}'}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "rain"}],
+        tools=chat_tools, add_generation_prompt=True, tokenize=False)
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_streamed_events_as_the_sdk_parses_them(served, tokenizer):
+    client, _, _ = served
+    events = list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, stream=True))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == expected_text(tokenizer, 4)
+    final = events[-1].response
+    assert final.output_text == deltas and final.usage.output_tokens == 4
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+
+
+def test_bad_requests_get_400s_naming_the_field(served):
+    _, http, _ = served
+    for body, param in (({"input": ""}, "input"), ({"input": []}, "input"),
+                        ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
+                        ({"input": [{"content": "no role"}]}, "input.0.role"),
+                        ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"input": "a", "max_output_tokens": 0}, "max_output_tokens"),
+                        ({"input": "a", "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
+                        ({"input": "a", "model": "other"}, "model")):
+        r = http.post("/v1/responses", json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def writer(output: ChatOutput) -> ResponseWriter:
+    return ResponseWriter(ResponsesRequest(input="x"), "resp_1", MODEL, 3, output)
+
+
+def parse(events: list[str]) -> list[dict]:
+    return [json.loads(e.split("data: ", 1)[1]) for e in events]
+
+
+def test_reasoning_and_text_become_two_items_in_stream_and_in_full():
+    w = writer(ChatOutput(reasoning=True))
+    events = []
+    for piece, final in (("<think>", False), ("plan it", False), ("</think>", False), ("Hello", False),
+                         (" there", True)):
+        events += parse(w.delta_events(w.output.delta(piece, final)))
+    events += parse(w._finish_open())
+    kinds = [e["type"] for e in events]
+    assert kinds.count("response.output_item.added") == 2 and kinds.count("response.output_item.done") == 2
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "plan it"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta").strip() == "Hello there"
+    assert [i["type"] for i in w.items] == ["reasoning", "message"]
+    full = writer(ChatOutput(reasoning=True))
+    items = full.items_of(full.output.message("<think>plan it</think>Hello there"), "completed")
+    assert [i["type"] for i in items] == ["reasoning", "message"]
+    assert items[0]["content"][0]["text"] == "plan it" and items[1]["content"][0]["text"].strip() == "Hello there"
+
+
+def test_a_named_tool_choice_streams_one_function_call_item():
+    w = writer(ChatOutput(tool_mode="named", tool_name="get_weather"))
+    events = []
+    for piece, final in (('{"city"', False), (': "Oslo"}', True)):
+        events += parse(w.delta_events(w.output.delta(piece, final)))
+    events += parse(w._finish_open())
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert len(added) == 1 and added[0]["item"]["type"] == "function_call" and added[0]["item"]["name"] == "get_weather"
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert json.loads(done[0]["arguments"]) == {"city": "Oslo"}
+    assert w.items[0]["call_id"].startswith("call_") and w.items[0]["status"] == "completed"
