@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from rtp.distributed.liveness import pid_alive
+from rtp.entrypoints.generate import DEMO_PROMPTS
 from rtp.testing import default_model_dir
 from tests.utils import REPO, rank_pids
 
@@ -240,7 +241,8 @@ def test_two_runs_side_by_side(tmp_path):
             r.kill()
     assert codes == [0, 0], "\n\n".join(r.output[-3000:] for r in runs)
     outs = [(tmp_path / f"out{i}.jsonl").read_text() for i in range(2)]
-    assert outs[0] == outs[1] and outs[0].count("\n") == 4
+    # The demo: each prompt's greedy continuation, then each prompt's seeded sample (the same in both runs).
+    assert outs[0] == outs[1] and outs[0].count("\n") == 2 * len(DEMO_PROMPTS)
 
 
 @pytest.mark.parametrize(
