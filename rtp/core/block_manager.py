@@ -118,6 +118,10 @@ class BlockManager:
         revived = sum(1 for b in cached if self._ref[b] == 0)
         return fresh + revived <= self.num_free_blocks
 
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq`` (holding blocks or not) can grow to ``num_tokens`` positions with the free blocks."""
+        return self.num_blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
     def appendable_tokens(self, seq: Sequence) -> int:
         """How many more positions of a running ``seq`` could be computed with the free blocks."""
         return len(seq.block_table) * self.block_size - seq.num_computed_tokens + self.num_free_blocks * self.block_size
@@ -162,6 +166,34 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> int:
+        """Cut ``seq``'s KV back to its first ``num_tokens`` positions; returns the positions it keeps.
+
+        For tokens that turn out not to belong to the sequence (rejected
+        speculative tokens). Blocks past the cut are released, tail first; a
+        full one keeps its hash (its KV is still that of the tokens it was
+        computed from). The block the cut falls into is written again, so it
+        cannot stay findable: it loses its hash, or, if another block table
+        holds it too (a prefix hit, a fork), it is released as well and the
+        positions of ``seq`` in it are dropped, since a shared block is never
+        written. ``seq.num_computed_tokens`` is capped to what is kept.
+        """
+        bs = self.block_size
+        table = seq.block_table
+        assert 0 <= num_tokens <= len(table) * bs, f"cannot truncate {seq} to {num_tokens} positions"
+        full, keep = num_tokens // bs, self.num_blocks_for(num_tokens)
+        if keep > full and self._ref[table[full]] > 1:  # the cut falls into a shared block
+            num_tokens, keep = full * bs, full
+        for block_id in reversed(table[keep:]):
+            self._release(block_id)
+        del table[keep:]
+        if keep > full:  # a partial last block: this sequence alone holds it
+            self._unhash(table[full])
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, full)
+        del seq.block_hashes[full:]  # the tokens past the cut may change: hash them again when needed
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        return num_tokens
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the hashes of ``seq``'s blocks that are full and computed.
 
@@ -196,13 +228,19 @@ class BlockManager:
         else:
             block_id, _ = self._free_cached.popitem(last=False)
             # The block is about to hold other content: its hash must stop pointing at it.
-            h = self._hash[block_id]
-            assert h is not None and self._hash_to_block.get(h) == block_id
-            del self._hash_to_block[h]
-            self._hash[block_id] = None
+            assert self._hash[block_id] is not None
+            self._unhash(block_id)
         assert self._ref[block_id] == 0
         self._ref[block_id] = 1
         return block_id
+
+    def _unhash(self, block_id: int) -> None:
+        """Drop the hash of ``block_id`` (if it has one): it will hold other content."""
+        h = self._hash[block_id]
+        if h is not None:
+            assert self._hash_to_block.get(h) == block_id
+            del self._hash_to_block[h]
+            self._hash[block_id] = None
 
     def _take(self, block_id: int) -> None:
         """Share a cached block (revive it from the cached pool if it was free)."""

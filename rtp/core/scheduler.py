@@ -1,6 +1,11 @@
-"""Continuous batching on rank 0: admission, chunked prefill, preemption -> StepPlan.
+"""Continuous batching on rank 0: which tokens of which sequences each step computes.
 
-Policy of one step, under a budget of ``max_num_batched_tokens`` query tokens:
+Under a budget of ``max_num_batched_tokens`` query tokens, the running
+sequences progress first (the newest are preempted when the KV blocks run
+out), then waiting sequences are admitted first come, first served; what the
+workers are sent of these decisions is built by :mod:`rtp.core.plan_builder`.
+
+Policy of one step:
 
 1. Running sequences, oldest admission first: each gets its next chunk (one
    token for a decode, the rest of the prompt for a prefill, cut to the
@@ -8,11 +13,11 @@ Policy of one step, under a budget of ``max_num_batched_tokens`` query tokens:
    sequence is preempted (blocks freed, progress dropped, put back at the front
    of the waiting queue) until the chunk fits; a prefill chunk is first
    shortened to what fits.
-2. If nothing was preempted, waiting sequences are admitted in FCFS order while
-   the budget, ``max_num_seqs`` and the free blocks allow, each starting after
-   its prefix-cache hit. The head of the queue is never skipped, so no request
-   starves: the oldest running sequence always progresses, and everything it
-   holds is freed when it finishes.
+2. If nothing was preempted, forks and then waiting sequences are admitted in
+   FCFS order while the budget, ``max_num_seqs`` and the free blocks allow,
+   each starting after its prefix-cache hit. The head of a queue is never
+   skipped, so no request starves: the oldest running sequence always
+   progresses, and everything it holds is freed when it finishes.
 
 n > 1 (see :meth:`Scheduler.postprocess`): the prompt is prefilled once, by
 the first sample. The step that samples its first token also samples the
@@ -20,12 +25,11 @@ other samples' first tokens from the same logits (the engine does it), and
 each other sample becomes a *fork*: it shares the prompt's full KV blocks
 (reference counts) and recomputes only the tokens of the last, partial prompt
 block into a block of its own (fewer than ``block_size`` tokens, counted in
-``num_fork_tail_tokens``, not as prefill). Forks wait in their own queue,
-admitted before the waiting queue.
+``num_fork_tail_tokens``, not as prefill). Forks wait in their own queue.
 
 Prompt logprobs: a sequence that wants them skips the prefix cache (every
-prompt position must be computed) and its chunks are listed in
-``plan.prompt_logprob_seq_ids``, so that the runner returns their logits.
+prompt position must be computed), at most ``max_prompt_logit_rows`` of its
+positions run per step, and the plan lists it in ``prompt_logprob_seq_ids``.
 
 A sequence whose known tokens exceed the KV capacity (``num_blocks * block_size``)
 finishes with "length", like one that reaches ``max_model_len``: such a
@@ -35,100 +39,23 @@ sequence could never run again, even alone.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from rtp.core.block_manager import BlockManager
+from rtp.core.plan_builder import PlanBuilder
+from rtp.core.schedule_types import (
+    ScheduledSeq,
+    SchedulerConfig,
+    SchedulerCounters,
+    ScheduleResult,
+    SchedulerStats,
+)
 from rtp.core.sequence import Sequence, SequenceStatus
-from rtp.core.step import NewSeq, StepPlan
-from rtp.errors import ConfigError, RequestError
+from rtp.errors import RequestError
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
 
-
-@dataclass
-class SchedulerConfig:
-    """Limits of the scheduler and the shape of the KV cache."""
-
-    max_num_seqs: int
-    """Most sequences running (holding KV blocks) at once."""
-    max_num_batched_tokens: int
-    """Most query tokens in one step (prefill chunks plus decodes)."""
-    max_model_len: int
-    """Longest sequence (prompt + completion) the model serves."""
-    block_size: int
-    """Token slots per KV block."""
-    num_blocks: int
-    """KV blocks in the cache (the minimum over all ranks)."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV blocks of prompt prefixes seen before."""
-    max_prompt_logit_rows: int = 512
-    """Most prompt positions per step of the sequences that want prompt logprobs (each is a float32
-    row of the whole vocabulary on rank 0: 512 rows of Qwen3's 151,936 ids are 311 MB)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks",
-                     "max_prompt_logit_rows"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"SchedulerConfig.{name}={value!r} is invalid: expected a positive integer")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError(
-                f"SchedulerConfig.enable_prefix_caching={self.enable_prefix_caching!r} is invalid: "
-                "expected true or false"
-            )
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One sequence's share of a step."""
-
-    seq: Sequence
-    num_new_tokens: int  # query length: positions [num_computed_tokens, num_computed_tokens + num_new_tokens)
-    needs_sample: bool  # the chunk reaches the last known token, so a token is sampled for it
-
-
-@dataclass
-class ScheduleResult:
-    """A step's plan plus the scheduler's side of it.
-
-    Columns in batch order (``plan.new_seqs``, then ``plan.cached_seqs``), one
-    entry per scheduled sequence; ``scheduled`` gives the same as records.
-    """
-
-    plan: StepPlan
-    seqs: list[Sequence] = field(default_factory=list)  # [B]
-    num_new_tokens: list[int] = field(default_factory=list)  # [B] query length, as in ScheduledSeq
-    needs_sample: list[bool] = field(default_factory=list)  # [B] a token is sampled for the sequence
-
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Append one sequence's share of the step (before its KV progress moves)."""
-        self.seqs.append(seq)
-        self.num_new_tokens.append(num_new_tokens)
-        self.needs_sample.append(seq.num_computed_tokens + num_new_tokens == len(seq.token_ids))
-
-    @property
-    def scheduled(self) -> list[ScheduledSeq]:
-        """The same as one record per sequence (built on every call)."""
-        return list(map(ScheduledSeq, self.seqs, self.num_new_tokens, self.needs_sample))
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot of the scheduler's gauges and cumulative counters."""
-
-    num_waiting: int
-    num_running: int
-    num_blocks: int
-    num_free_blocks: int
-    kv_usage: float  # blocks held by running sequences / num_blocks
-    prefix_query_tokens: int  # tokens looked up in the prefix cache at admissions
-    prefix_hit_tokens: int  # of which served from the cache
-    num_preemptions: int
-    num_prefill_tokens_computed: int  # query tokens that were not single-token decodes
-    num_decode_tokens: int  # single-token decode steps
-    num_prefills: int  # sequences whose prompt (re)computation completed (forks not counted)
-    num_fork_tail_tokens: int  # tokens forks (n > 1) computed before their first decode
+__all__ = ["ScheduleResult", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerCounters", "SchedulerStats"]
 
 
 class Scheduler:
@@ -147,19 +74,11 @@ class Scheduler:
             )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: oldest first
-        self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
-        # What the workers mirror: seq_id -> (tokens sent, blocks sent).
-        self._sent: dict[int, tuple[int, int]] = {}
-        self._pending_freed: list[int] = []  # mirrored ids to free in the next non-empty plan
-        self._awaiting_postprocess = False
-        self._num_preemptions = 0
-        self._prefix_query_tokens = 0
-        self._prefix_hit_tokens = 0
-        self._num_prefill_tokens = 0
-        self._num_decode_tokens = 0
-        self._num_prefills = 0
-        self._num_fork_tail_tokens = 0
         self._forked: deque[Sequence] = deque()  # forks holding shared blocks, not yet running
+        self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
+        self.plans = PlanBuilder()  # what the workers mirror
+        self.counters = SchedulerCounters()
+        self._awaiting_postprocess = False
 
     # ------------------------------------------------------------------ requests
 
@@ -231,113 +150,20 @@ class Scheduler:
         """
         if self._awaiting_postprocess:
             raise RuntimeError("schedule() called again before postprocess() of the previous step")
-        cfg, bm = self.config, self.block_manager
-        budget = cfg.max_num_batched_tokens
-        plan = StepPlan()
-        running = ScheduleResult(plan)  # shares of the running sequences (they follow the admitted ones)
-        preempted = False
-
-        bs, sent, deltas = cfg.block_size, self._sent, plan.cached_seqs
-        logit_rows = cfg.max_prompt_logit_rows  # prompt positions left this step for prompt logprobs
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            computed = seq.num_computed_tokens
-            n = len(seq.token_ids) - computed
-            assert n >= 1, f"running {seq} has nothing to compute"
-            if not seq.prompt_logprobs_done:
-                n = min(n, logit_rows)
-                if n == 0:
-                    continue  # its next chunk waits for the next step
-            if n > budget:
-                n = budget
-            if computed + n > len(seq.block_table) * bs:
-                # The chunk spills past the last block (a decode: once every block_size steps): find room.
-                while (fit := bm.appendable_tokens(seq)) < 1:
-                    victim = self.running[-1]
-                    # Alone, a sequence always fits: it would have finished with "length" otherwise.
-                    assert victim is not seq or len(self.running) > 1, f"{seq} cannot fit alone"
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is seq:
-                        break
-                if seq.status is not SequenceStatus.RUNNING:
-                    break  # it preempted itself: every newer sequence is gone too
-                n = min(n, fit)
-                bm.append(seq, computed + n)
-            budget -= n
-            if not seq.prompt_logprobs_done:
-                logit_rows -= n
-            running.add(seq, n)
-            num_sent_tokens, num_sent_blocks = sent[seq.seq_id]
-            deltas.add(seq.seq_id, n, seq.token_ids[num_sent_tokens:], seq.block_table[num_sent_blocks:])
-            sent[seq.seq_id] = (len(seq.token_ids), len(seq.block_table))
-
-        admitted = ScheduleResult(plan)
-        while not preempted and self._forked and len(self.running) < cfg.max_num_seqs and budget > 0:
-            seq = self._forked[0]
-            computed = seq.num_computed_tokens
-            n = min(seq.num_tokens - computed, budget)
-            if bm.num_blocks_for(computed + n) - len(seq.block_table) > bm.num_free_blocks:
-                break
-            self._forked.popleft()
-            bm.append(seq, computed + n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            budget -= n
-            admitted.add(seq, n)
-            plan.new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), list(seq.block_table), computed, n))
-            self._sent[seq.seq_id] = (seq.num_tokens, len(seq.block_table))
-        # After a preemption the cache is short: admitting now would only thrash.
-        while not preempted and self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
-            # Prompt logprobs need the logits of every prompt position: no prefix-cache hit.
-            cached = bm.find_cached_prefix(seq) if seq.prompt_logprobs_done else []
-            num_cached = len(cached) * cfg.block_size
-            n = min(seq.num_tokens - num_cached, budget)
-            if not seq.prompt_logprobs_done:
-                n = min(n, logit_rows)
-                if n == 0:
-                    break  # FCFS: it goes first next step
-                logit_rows -= n
-            if not bm.can_allocate(cached, num_cached + n):
-                break  # FCFS: never skip the head of the queue
-            self.waiting.popleft()
-            bm.allocate(seq, cached, num_cached + n)
-            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            if cfg.enable_prefix_caching:
-                self._prefix_query_tokens += seq.num_tokens
-                self._prefix_hit_tokens += num_cached
-            budget -= n
-            admitted.add(seq, n)
-            plan.new_seqs.append(
-                NewSeq(
-                    seq_id=seq.seq_id,
-                    token_ids=list(seq.token_ids),
-                    block_table=list(seq.block_table),
-                    num_computed_tokens=num_cached,
-                    num_new_tokens=n,
-                )
-            )
-            self._sent[seq.seq_id] = (seq.num_tokens, len(seq.block_table))
-
-        for seq in admitted.seqs + running.seqs:
-            if not seq.prompt_logprobs_done:
-                plan.prompt_logprob_seq_ids.append(seq.seq_id)
+        cfg = self.config
+        running, budget, logit_rows, preempted = self._schedule_running()
+        admitted = ScheduleResult()
+        if not preempted:  # after a preemption the cache is short: admitting now would only thrash
+            budget, logit_rows = self._admit(self._forked, admitted, budget, logit_rows)
+            self._admit(self.waiting, admitted, budget, logit_rows)
+        plan = self.plans.build(admitted.seqs, admitted.num_new_tokens, running.seqs, running.num_new_tokens)
         result = ScheduleResult(
             plan,
             admitted.seqs + running.seqs,
             admitted.num_new_tokens + running.num_new_tokens,
             admitted.needs_sample + running.needs_sample,
         )
-        if result.seqs:
-            plan.freed_seq_ids = self._pending_freed
-            self._pending_freed = []
-            self._awaiting_postprocess = True
+        self._awaiting_postprocess = bool(result.seqs)
         assert plan.num_tokens <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
         return result
@@ -361,22 +187,23 @@ class Scheduler:
         bm = self.block_manager
         bs, caching = bm.block_size, bm.enable_prefix_caching
         tokens = iter(sampled_token_ids)
+        counters = self.counters
         finished: list[Sequence] = []
         for seq, n, needs_sample in zip(result.seqs, result.num_new_tokens, result.needs_sample):
             token = next(tokens) if needs_sample else None
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished by the engine after schedule(): drop its result
             if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                self._num_decode_tokens += 1
+                counters.num_decode_tokens += 1
             elif seq.is_fork and seq.num_computed_tokens < seq.num_prompt_tokens:
-                self._num_fork_tail_tokens += n
+                counters.num_fork_tail_tokens += n
             else:
-                self._num_prefill_tokens += n
+                counters.num_prefill_tokens_computed += n
                 if seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + n:
-                    self._num_prefills += 1
+                    counters.num_prefills += 1
             seq.num_computed_tokens += n
-            if not seq.prompt_logprobs_done and seq.num_computed_tokens >= seq.num_prompt_tokens - 1:
-                seq.prompt_logprobs_done = True  # the engine consumed this step's prompt logits
+            if seq.needs_prompt_logits and seq.num_computed_tokens >= seq.num_prompt_tokens - 1:
+                seq.needs_prompt_logits = False  # the engine consumed this step's prompt logits
             assert seq.num_computed_tokens <= len(seq.block_table) * bs
             if caching and seq.num_computed_tokens // bs > seq.num_hashed_blocks:  # a block filled up
                 bm.cache_computed_blocks(seq)  # only now is the KV of these blocks real
@@ -404,16 +231,96 @@ class Scheduler:
             num_blocks=bm.num_blocks,
             num_free_blocks=free,
             kv_usage=(bm.num_blocks - free) / bm.num_blocks,
-            prefix_query_tokens=self._prefix_query_tokens,
-            prefix_hit_tokens=self._prefix_hit_tokens,
-            num_preemptions=self._num_preemptions,
-            num_prefill_tokens_computed=self._num_prefill_tokens,
-            num_decode_tokens=self._num_decode_tokens,
-            num_prefills=self._num_prefills,
-            num_fork_tail_tokens=self._num_fork_tail_tokens,
+            **vars(self.counters),
         )
 
     # ------------------------------------------------------------------ internals
+
+    def _schedule_running(self) -> tuple[ScheduleResult, int, int, bool]:
+        """Step 1 of the policy: the running sequences' chunks.
+
+        Returns their shares, the token budget and prompt-logit rows left, and whether anything was preempted.
+        """
+        cfg, bm = self.config, self.block_manager
+        budget = cfg.max_num_batched_tokens
+        logit_rows = cfg.max_prompt_logit_rows  # prompt positions left this step for prompt logprobs
+        bs = cfg.block_size
+        running = ScheduleResult()
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
+            assert n >= 1, f"running {seq} has nothing to compute"
+            if seq.needs_prompt_logits:
+                n = min(n, logit_rows)
+                if n == 0:
+                    continue  # its next chunk waits for the next step
+            if n > budget:
+                n = budget
+            if computed + n > len(seq.block_table) * bs:
+                # The chunk spills past the last block (a decode: once every block_size steps): find room.
+                while (fit := bm.appendable_tokens(seq)) < 1:
+                    victim = self.running[-1]
+                    # Alone, a sequence always fits: it would have finished with "length" otherwise.
+                    assert victim is not seq or len(self.running) > 1, f"{seq} cannot fit alone"
+                    self._preempt(victim)  # always a sequence after this one: none of running's shares
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    break  # it preempted itself: every newer sequence is gone too
+                n = min(n, fit)
+                bm.append(seq, computed + n)
+            budget -= n
+            if seq.needs_prompt_logits:
+                logit_rows -= n
+            running.add(seq, n)
+        return running, budget, logit_rows, preempted
+
+    def _admit(
+        self, queue: deque[Sequence], admitted: ScheduleResult, budget: int, logit_rows: int
+    ) -> tuple[int, int]:
+        """Step 2 of the policy for one queue (forks or waiting); returns the budget and logit rows left.
+
+        A fork holds the prompt's full blocks already and resumes after them; any other sequence
+        starts after its prefix-cache hit.
+        """
+        cfg, bm = self.config, self.block_manager
+        while queue and len(self.running) < cfg.max_num_seqs and budget > 0:
+            seq = queue[0]
+            if seq.is_fork:
+                cached, start = None, seq.num_computed_tokens
+            else:
+                # Prompt logprobs need the logits of every prompt position: no prefix-cache hit.
+                cached = [] if seq.needs_prompt_logits else bm.find_cached_prefix(seq)
+                start = len(cached) * cfg.block_size
+            n = min(seq.num_tokens - start, budget)
+            if seq.needs_prompt_logits:
+                n = min(n, logit_rows)
+                if n == 0:
+                    break  # FCFS: it goes first next step
+            if not (bm.can_append(seq, start + n) if cached is None else bm.can_allocate(cached, start + n)):
+                break  # FCFS: never skip the head of the queue
+            queue.popleft()
+            if cached is None:
+                bm.append(seq, start + n)
+            else:
+                bm.allocate(seq, cached, start + n)
+                seq.num_computed_tokens = seq.num_cached_tokens = start
+                if cfg.enable_prefix_caching:
+                    self.counters.prefix_query_tokens += seq.num_tokens
+                    self.counters.prefix_hit_tokens += start
+            if seq.needs_prompt_logits:
+                logit_rows -= n
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= n
+            admitted.add(seq, n)
+        return budget, logit_rows
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` ends after ``token`` was appended, or None."""
@@ -455,8 +362,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and tell the workers to drop their mirror of it."""
         self.block_manager.free(seq)
-        if self._sent.pop(seq.seq_id, None) is not None:
-            self._pending_freed.append(seq.seq_id)
+        self.plans.release(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the KV and requeue ``seq`` at the front."""
@@ -466,7 +372,7 @@ class Scheduler:
         seq.is_fork = False  # from now on it recomputes everything, like any preempted sequence
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self._num_preemptions += 1
+        self.counters.num_preemptions += 1
         logger.debug("preempted %s (%d running, %d waiting)", seq, len(self.running), len(self.waiting))
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -49,15 +49,11 @@ class Sequence:
         self.block_hashes: list[int] = []
         # ... and how many leading blocks of block_table were already offered to the cache.
         self.num_hashed_blocks = 0
-        # Prompt logprobs: True once every prompt position's logits were produced (or none are wanted).
-        self.prompt_logprobs_done = params.prompt_logprobs is None or self.num_prompt_tokens < 2
+        # Prompt logprobs: True while the logits of this sequence's prompt positions are still wanted
+        # (a plain attribute, not a property: the scheduler reads it for every sequence on every step).
+        self.needs_prompt_logits = params.prompt_logprobs is not None and self.num_prompt_tokens >= 2
         # n > 1: True for samples 1..n-1, which start as a fork of sample 0 after its prefill.
         self.is_fork = False
-
-    @property
-    def needs_prompt_logits(self) -> bool:
-        """True while the logits of this sequence's prompt positions are still wanted."""
-        return not self.prompt_logprobs_done
 
     @property
     def num_tokens(self) -> int:

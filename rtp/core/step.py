@@ -7,9 +7,11 @@ Workers keep a mirror of every running sequence (token ids, block table,
 number of computed tokens), so a sequence is sent in full only when it is
 (re)scheduled for the first time, and as a small delta afterwards.
 
-Mirror invariant used by the delta encoding: after a step in which a sequence's
-chunk reached the end of its known tokens, rank 0 sampled exactly one token for
-it; unless the sequence was freed, the next delta carries that token.
+A delta first drops ``rollback_tokens`` tokens and ``rollback_blocks`` block
+ids from the tail of the mirror (tokens that were cut back on rank 0, such as
+rejected speculative tokens; the number of computed tokens is capped to what
+is left), then appends ``new_token_ids`` (any number: the sampled token of a
+decode step, or several) and ``new_block_ids``.
 """
 
 from __future__ import annotations
@@ -54,21 +56,24 @@ class CachedSeq:
 
     seq_id: int
     num_new_tokens: int  # query length of this step (1 for decode)
-    new_token_ids: list[int]  # tokens appended since the last step (the sampled one)
+    new_token_ids: list[int]  # tokens appended since the last step (the sampled one for a decode)
     new_block_ids: list[int]  # blocks appended to the block table since the last step
+    rollback_tokens: int = 0  # tokens dropped from the mirror's tail before new_token_ids are appended
+    rollback_blocks: int = 0  # block ids dropped from the mirror's tail before new_block_ids are appended
 
 
 class CachedSeqs:
     """The cached sequences of one step, stored as columns; reads like a list of :class:`CachedSeq`.
 
-    A decode step of 256 sequences is six flat int lists instead of 256
+    A decode step of 256 sequences is eight flat int lists instead of 256
     objects, so the scheduler fills it with a few appends per sequence, the wire
     format packs each column in one call, and the mirror applies the columns
     with array operations. Indexing and iteration build :class:`CachedSeq`
     copies: changing one does not change the plan; use :meth:`append`.
     """
 
-    __slots__ = ("seq_ids", "num_new_tokens", "token_counts", "token_ids", "block_counts", "block_ids")
+    __slots__ = ("seq_ids", "num_new_tokens", "token_counts", "token_ids", "block_counts", "block_ids",
+                 "rollback_tokens", "rollback_blocks")
 
     def __init__(self, seqs: Iterable[CachedSeq] = ()) -> None:
         self.seq_ids: list[int] = []  # [n]
@@ -77,22 +82,33 @@ class CachedSeqs:
         self.token_ids: list[int] = []  # [sum(token_counts)] every sequence's new token ids, in order
         self.block_counts: list[int] = []  # [n] new block ids of each sequence
         self.block_ids: list[int] = []  # [sum(block_counts)] every sequence's new block ids, in order
+        self.rollback_tokens: list[int] = []  # [n] tokens each sequence drops from its mirrored tail first
+        self.rollback_blocks: list[int] = []  # [n] block ids each sequence drops from its mirrored tail first
         for seq in seqs:
             self.append(seq)
 
     @classmethod
     def from_columns(
         cls, seq_ids: list[int], num_new_tokens: list[int], token_counts: list[int], token_ids: list[int],
-        block_counts: list[int], block_ids: list[int],
+        block_counts: list[int], block_ids: list[int], rollback_tokens: list[int] | None = None,
+        rollback_blocks: list[int] | None = None,
     ) -> CachedSeqs:
-        """Wrap existing columns (not copied). The counts must sum to the lengths of the flat lists."""
+        """Wrap existing columns (not copied). The counts must sum to the lengths of the flat lists.
+
+        Rollback columns left out mean no rollback (zeros).
+        """
         out = cls()
         out.seq_ids, out.num_new_tokens = seq_ids, num_new_tokens
         out.token_counts, out.token_ids = token_counts, token_ids
         out.block_counts, out.block_ids = block_counts, block_ids
+        out.rollback_tokens = rollback_tokens if rollback_tokens is not None else [0] * len(seq_ids)
+        out.rollback_blocks = rollback_blocks if rollback_blocks is not None else [0] * len(seq_ids)
         return out
 
-    def add(self, seq_id: int, num_new_tokens: int, new_token_ids: list[int], new_block_ids: list[int]) -> None:
+    def add(
+        self, seq_id: int, num_new_tokens: int, new_token_ids: list[int], new_block_ids: list[int],
+        rollback_tokens: int = 0, rollback_blocks: int = 0,
+    ) -> None:
         """Append one sequence's delta."""
         self.seq_ids.append(seq_id)
         self.num_new_tokens.append(num_new_tokens)
@@ -100,20 +116,28 @@ class CachedSeqs:
         self.token_ids += new_token_ids
         self.block_counts.append(len(new_block_ids))
         self.block_ids += new_block_ids
+        self.rollback_tokens.append(rollback_tokens)
+        self.rollback_blocks.append(rollback_blocks)
 
     def append(self, seq: CachedSeq) -> None:
         """Append one sequence's delta given as a record."""
-        self.add(seq.seq_id, seq.num_new_tokens, seq.new_token_ids, seq.new_block_ids)
+        self.add(seq.seq_id, seq.num_new_tokens, seq.new_token_ids, seq.new_block_ids, seq.rollback_tokens,
+                 seq.rollback_blocks)
+
+    def has_rollback(self) -> bool:
+        """True if any sequence of the step drops tokens or blocks from its mirrored tail."""
+        return any(self.rollback_tokens) or any(self.rollback_blocks)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
 
     def __iter__(self) -> Iterator[CachedSeq]:
         tok_ends, blk_ends = accumulate(self.token_counts), accumulate(self.block_counts)
-        for seq_id, n, nt, t_end, nb, b_end in zip(
-            self.seq_ids, self.num_new_tokens, self.token_counts, tok_ends, self.block_counts, blk_ends
+        for seq_id, n, nt, t_end, nb, b_end, rt, rb in zip(
+            self.seq_ids, self.num_new_tokens, self.token_counts, tok_ends, self.block_counts, blk_ends,
+            self.rollback_tokens, self.rollback_blocks,
         ):
-            yield CachedSeq(seq_id, n, self.token_ids[t_end - nt : t_end], self.block_ids[b_end - nb : b_end])
+            yield CachedSeq(seq_id, n, self.token_ids[t_end - nt : t_end], self.block_ids[b_end - nb : b_end], rt, rb)
 
     def __getitem__(self, index: int) -> CachedSeq:
         return list(self)[index]
@@ -161,7 +185,7 @@ class StepPlan:
 #
 # A message is a fixed header followed by flat little-endian arrays:
 #
-#   header  magic "RTPS" | version u8 | kind u8 | 7 count-dtype codes u8 | pad
+#   header  magic "RTPS" | version u8 | kind u8 | 9 count-dtype codes u8 | pad
 #           n_new u32 | n_cached u32 | n_freed u32 | n_prompt_logprob u32
 #           totals u32 x4 (flat lengths: new tokens, new blocks, cached new
 #           tokens, cached new blocks) | body_len u32 | crc32 u32
@@ -171,28 +195,34 @@ class StepPlan:
 #             cached_seq_ids [n_cached], cached_tokens [tot2],
 #             cached_blocks [tot3], freed_seq_ids [n_freed],
 #             prompt_logprob_seq_ids [n_prompt_logprob]
-#           then the seven count arrays, each in the smallest encoding that
-#           holds this message's values (uniform / u8 / u16 / u32):
+#           then the nine count arrays, each in the smallest encoding that
+#           holds this message's values (all zero: no bytes / uniform: one
+#           u32 / u8 / u16 / u32):
 #             new: token counts, block counts, num_computed, num_new [n_new]
-#             cached: num_new, token counts, block counts [n_cached]
+#             cached: num_new, token counts, block counts, rollback tokens,
+#                     rollback blocks [n_cached]
 #           (the cached arrays are exactly the columns of CachedSeqs).
 #
 # The crc32 covers the header (minus the crc field) and the body, so a
 # corrupted or truncated buffer is rejected instead of decoded into garbage.
-# A decode step of 256 sequences costs 56 + 256*4 (ids) + 256*4 (tokens) + 3*4
-# (three uniform count arrays) = 2116 bytes.
+# A decode step of 256 sequences costs 56 + 256*4 (ids) + 256*4 (tokens) + 2*4
+# (num_new and token counts, uniform; block counts and both rollbacks are all
+# zero: no bytes) = 2112 bytes. A speculative step adds the tokens it sends and
+# a u8 count array per column that is not uniform.
 # ----------------------------------------------------------------------------
 
 _MAGIC = b"RTPS"
-WIRE_VERSION = 2
-_HEADER = struct.Struct("<4sBB7s3x10I")
+WIRE_VERSION = 3
+_NUM_COUNT_ARRAYS = 9
+_HEADER = struct.Struct("<4sBB9sx10I")
 _CRC_OFFSET = _HEADER.size - 4  # the crc32 is the last header field
 _INT32 = np.dtype("<i4")
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _U32_MAX = 2**32 - 1
 
-# Count-array encodings. _UNIFORM stores one u32 that every element equals.
+# Count-array encodings. _UNIFORM stores one u32 that every element equals; _ZEROS stores nothing.
 _UNIFORM = 0
+_ZEROS = 4
 _UINT_DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 3: np.dtype("<u4")}
 _UINT_TYPECODES = {1: "B", 2: "H", 3: "I"}
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
@@ -235,7 +265,9 @@ def _pack_counts(values: list[int], what: str) -> tuple[int, bytes, int]:
         return 1, b"", 0
     first = values[0]
     if len(values) > 4 and isinstance(first, int) and 0 <= first <= _U32_MAX and values.count(first) == len(values):
-        # Fast path for the decode step (every count equal): one u32, no per-element work.
+        # Fast path for the decode step (every count equal): one u32 or nothing, no per-element work.
+        if first == 0:
+            return _ZEROS, b"", 0
         return _UNIFORM, struct.pack("<I", first), first * len(values)
     lo, hi = min(values), max(values)
     if lo < 0 or hi > _U32_MAX:
@@ -243,6 +275,8 @@ def _pack_counts(values: list[int], what: str) -> tuple[int, bytes, int]:
         raise StepFormatError(f"{what} must be integers in [0, {_U32_MAX}], got {bad!r}")
     code = 1 if hi <= 0xFF else 2 if hi <= 0xFFFF else 3
     arr = _int_array(_UINT_TYPECODES[code], values, what, 0, _U32_MAX)  # also rejects non-ints
+    if lo == hi == 0:
+        return _ZEROS, b"", 0
     if lo == hi and len(values) * arr.itemsize > 4:
         return _UNIFORM, struct.pack("<I", hi), hi * len(values)
     return code, arr.tobytes(), sum(values)
@@ -274,10 +308,13 @@ def encode(plan: StepPlan) -> bytes:
         _pack_counts(cached.num_new_tokens, "CachedSeq.num_new_tokens"),
         _pack_counts(cached.token_counts, "len(CachedSeq.new_token_ids)"),
         _pack_counts(cached.block_counts, "len(CachedSeq.new_block_ids)"),
+        _pack_counts(cached.rollback_tokens, "CachedSeq.rollback_tokens"),
+        _pack_counts(cached.rollback_blocks, "CachedSeq.rollback_blocks"),
     ]
     totals = [counts[0][2], counts[1][2], counts[5][2], counts[6][2]]
     n_cached = len(cached.seq_ids)
     if not (len(cached.num_new_tokens) == len(cached.token_counts) == len(cached.block_counts) == n_cached
+            and len(cached.rollback_tokens) == len(cached.rollback_blocks) == n_cached
             and totals[2] == len(cached.token_ids) and totals[3] == len(cached.block_ids)):
         raise StepFormatError("CachedSeqs columns are inconsistent: per-sequence columns differ in length, "
                               "or the counts do not sum to the flat token / block lists")
@@ -321,6 +358,8 @@ class _Reader:
     def counts(self, code: int, n: int, what: str) -> list[int]:
         if n == 0 and code != _UNIFORM:
             return []
+        if code == _ZEROS:
+            return [0] * n
         if code == _UNIFORM:
             (value,) = struct.unpack("<I", self.take(4, what))
             return [value] * n
@@ -356,17 +395,17 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
     except ValueError:
         raise StepFormatError(f"unknown StepKind {kind} in StepPlan buffer") from None
     for code in codes:
-        if code != _UNIFORM and code not in _UINT_DTYPES:
+        if code not in (_UNIFORM, _ZEROS) and code not in _UINT_DTYPES:
             raise StepFormatError(f"unknown count encoding {code} in StepPlan buffer")
 
     r = _Reader(mv, _HEADER.size)
-    # The seven int32 arrays lie back to back: read them in one go, then cut.
+    # The int32 arrays lie back to back: read them in one go, then cut.
     int_lengths = [n_new, totals[0], totals[1], n_cached, totals[2], totals[3], n_freed, n_plp]
     ints = r.int32(sum(int_lengths), "the id, token and block arrays")
     new_ids, new_tokens, new_blocks, cached_ids, cached_tokens, cached_blocks, freed, plp = _split(
         ints, int_lengths
     )
-    sizes = [n_new] * 4 + [n_cached] * 3
+    sizes = [n_new] * 4 + [n_cached] * (_NUM_COUNT_ARRAYS - 4)
     c = [r.counts(code, n, f"count array {i}") for i, (code, n) in enumerate(zip(codes, sizes))]
     if r.pos != len(mv):
         raise StepFormatError(f"StepPlan buffer has {len(mv) - r.pos} unexpected trailing bytes")
@@ -383,6 +422,6 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
         for i, t, b, nc, nn in zip(new_ids, _split(new_tokens, c[0]), _split(new_blocks, c[1]), c[2], c[3])
     ]
     # Cached sequences stay in columns: a decode step builds no per-sequence objects.
-    cached_seqs = CachedSeqs.from_columns(cached_ids, c[4], c[5], cached_tokens, c[6], cached_blocks)
+    cached_seqs = CachedSeqs.from_columns(cached_ids, c[4], c[5], cached_tokens, c[6], cached_blocks, c[7], c[8])
     return StepPlan(kind=step_kind, new_seqs=new_seqs, cached_seqs=cached_seqs, freed_seq_ids=freed,
                     prompt_logprob_seq_ids=plp)

@@ -133,6 +133,8 @@ class BatchMirror:
         rows = np.array(new_rows + cached_rows, dtype=np.int64)  # [B] batch order: new, then cached
         if cached_rows:
             c_rows = rows[len(new_rows) :]  # [C]
+            if cached.has_rollback():
+                self._roll_back(c_rows, cached.rollback_tokens, cached.rollback_blocks)
             self._tokens = self._append(self._tokens, self._num_tokens, c_rows, cached.token_counts, cached.token_ids)
             self._tables = self._append(self._tables, self._num_blocks, c_rows, cached.block_counts, cached.block_ids)
         q_lens = [new.num_new_tokens for new in plan.new_seqs] + cached.num_new_tokens
@@ -174,6 +176,26 @@ class BatchMirror:
         self._num_tokens[row], self._num_blocks[row] = n_tokens, n_blocks
         self._num_computed[row] = new.num_computed_tokens
         return row
+
+    def _roll_back(self, rows: np.ndarray, tokens: list[int], blocks: list[int]) -> None:
+        """Drop ``tokens[i]`` token ids and ``blocks[i]`` block ids from the tail of row ``rows[i]``.
+
+        The computed count is capped to the tokens left: KV past them belongs to dropped tokens.
+        """
+        t = np.array(tokens, dtype=np.int64)  # [C]
+        b = np.array(blocks, dtype=np.int64)  # [C]
+        bad = (t > self._num_tokens[rows]) | (b > self._num_blocks[rows])  # [C]
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise RuntimeError(
+                f"inconsistent step: rolling back {t[i]} tokens and {b[i]} blocks of a sequence "
+                f"that has {self._num_tokens[rows[i]]} and {self._num_blocks[rows[i]]}"
+            )
+        self._num_tokens[rows] -= t
+        self._num_computed[rows] = np.minimum(self._num_computed[rows], self._num_tokens[rows])
+        self._num_blocks[rows] -= b
+        for row in rows[b > 0].tolist():  # keep the table zero past its length (see _add)
+            self._tables[row, self._num_blocks[row] :] = 0
 
     def _grow_rows(self) -> None:
         old = len(self._num_tokens)

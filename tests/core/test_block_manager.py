@@ -228,3 +228,73 @@ def test_prefix_caching_disabled() -> None:
     bm.free(a)
     assert bm.find_cached_prefix(make_seq(1, [1, 2, 3, 4, 5])) == []
     check_accounting(bm, [])
+
+
+def test_truncate_releases_the_tail_and_keeps_full_hashes() -> None:
+    bm = BlockManager(8, 2)
+    a = make_seq(0, [1, 2, 3, 4, 5, 6, 7])
+    admit(bm, a)
+    compute(bm, a, 6)  # blocks 0..2 full and hashed, block 3 holds position 6 only
+    table = list(a.block_table)
+    hashes = {b: bm.block_hash(b) for b in table[:3]}
+    assert bm.truncate(a, 4) == 4
+    assert a.block_table == table[:2] and a.num_computed_tokens == 4 and a.num_hashed_blocks == 2
+    assert [bm.ref_count(b) for b in table] == [1, 1, 0, 0]
+    plain, cached = bm.free_block_ids()
+    # The full block past the cut still holds the KV its hash names: it stays findable.
+    assert table[2] in cached and bm.block_hash(table[2]) == hashes[table[2]]
+    assert table[3] in plain
+    check_accounting(bm, [a])
+    again = make_seq(1, [1, 2, 3, 4, 5, 6, 9])
+    assert bm.find_cached_prefix(again) == table[:3]
+
+
+def test_truncate_into_a_hashed_block_drops_its_hash() -> None:
+    bm = BlockManager(8, 4)
+    a = make_seq(0, list(range(1, 10)))
+    admit(bm, a)
+    compute(bm, a, 9)  # blocks 0 and 1 full and hashed
+    h1 = bm.block_hash(a.block_table[1])
+    assert h1 is not None
+    assert bm.truncate(a, 6) == 6  # the cut falls into block 1, which is written again from position 6
+    assert len(a.block_table) == 2 and bm.block_hash(a.block_table[1]) is None
+    assert h1 not in bm.cached_blocks() and a.num_hashed_blocks == 1 and a.num_computed_tokens == 6
+    check_accounting(bm, [a])
+    # Nothing finds the old block 1 any more; block 0 still is a hit.
+    assert bm.find_cached_prefix(make_seq(1, list(range(1, 10)))) == a.block_table[:1]
+    # The tokens past the cut change: the re-filled block is hashed from the new tokens.
+    a.token_ids[6:] = [50, 51, 52]
+    compute(bm, a, 9)
+    assert bm.block_hash(a.block_table[1]) == hash_block(bm.block_hash(a.block_table[0]), [5, 6, 50, 51])
+
+
+def test_truncate_never_keeps_writing_into_a_shared_block() -> None:
+    bm = BlockManager(8, 2)
+    a = make_seq(0, [1, 2, 3, 4, 5])
+    admit(bm, a)
+    compute(bm, a, 5)
+    b = make_seq(1, [1, 2, 3, 4, 9])
+    hits = admit(bm, b)
+    assert hits == a.block_table[:2]
+    compute(bm, b, 5)
+    # Cutting b at 3 falls into the shared block 1: b gives it up and keeps positions 0..1 only.
+    assert bm.truncate(b, 3) == 2
+    assert b.block_table == hits[:1] and b.num_computed_tokens == 2
+    assert bm.ref_count(hits[1]) == 1 and bm.block_hash(hits[1]) is not None  # a's block is untouched
+    check_accounting(bm, [a, b])
+    bm.append(b, 5)
+    assert b.block_table[1] not in a.block_table
+    check_accounting(bm, [a, b])
+
+
+def test_truncate_to_the_current_length_changes_nothing() -> None:
+    bm = BlockManager(8, 2)
+    a = make_seq(0, [1, 2, 3, 4, 5])
+    admit(bm, a)
+    compute(bm, a, 5)
+    before = (list(a.block_table), bm.cached_blocks(), bm.free_block_ids())
+    assert bm.truncate(a, 5) == 5
+    assert (a.block_table, bm.cached_blocks(), bm.free_block_ids()) == before
+    bm.truncate(a, 0)
+    assert a.block_table == [] and a.num_computed_tokens == 0
+    check_accounting(bm, [a])

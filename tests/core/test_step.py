@@ -215,3 +215,21 @@ def test_inconsistent_columns_are_not_encoded() -> None:
     cols = CachedSeqs.from_columns([1, 2], [1], [1, 1], [5, 6], [0, 0], [])  # num_new_tokens too short
     with pytest.raises(StepFormatError, match="inconsistent"):
         encode(StepPlan(cached_seqs=cols))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(I32, COUNT, st.lists(TOKEN, max_size=6), COUNT, COUNT), max_size=20))
+def test_round_trip_of_several_tokens_and_rollbacks(rows: list[tuple[int, int, list[int], int, int]]) -> None:
+    records = [CachedSeq(i, n, tokens, [], rollback_tokens=rt, rollback_blocks=rb) for i, n, tokens, rt, rb in rows]
+    plan = StepPlan(cached_seqs=records)
+    out = decode(encode(plan))
+    assert out == plan and list(out.cached_seqs) == records
+    assert out.cached_seqs.has_rollback() == any(rt or rb for *_, rt, rb in rows)
+
+
+def test_rollback_columns_cost_nothing_when_unused() -> None:
+    # A decode step of 256 sequences: 56 header bytes, an int32 id and token each, and one u32 for each
+    # of the two uniform count arrays; zero block counts and rollbacks take no bytes.
+    assert len(encode(_decode_step())) == 56 + 256 * 8 + 2 * 4
+    speculative = StepPlan(cached_seqs=[CachedSeq(i, 4, [1, 2, 3, 4], [], rollback_tokens=i % 3) for i in range(256)])
+    assert len(encode(speculative)) == 56 + 256 * 4 * 5 + 2 * 4 + 256  # u8 rollback counts

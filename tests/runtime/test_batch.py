@@ -9,6 +9,8 @@ import random
 import numpy as np
 import pytest
 
+from rtp.core.block_manager import BlockManager
+from rtp.core.plan_builder import PlanBuilder
 from rtp.core.scheduler import Scheduler, SchedulerConfig
 from rtp.core.sequence import Sequence
 from rtp.core.step import CachedSeq, NewSeq, StepPlan, decode, encode
@@ -118,3 +120,50 @@ def test_inconsistent_plans_are_refused():
         mirror.apply(StepPlan(cached_seqs=[CachedSeq(1, 2, [4], [])]))  # only one token is new
     with pytest.raises(RuntimeError, match="with 1 blocks"):
         mirror.apply(StepPlan(cached_seqs=[CachedSeq(1, 2, [5], [])]))  # positions 3 and 4 need a second block
+
+
+def test_rollback_of_speculative_tokens_reaches_the_mirror():
+    """Rank 0 cuts a sequence's tokens and KV back (rejected speculative tokens): through the plan builder
+    and the wire format, the mirror drops the same tail and builds the inputs of the tokens that follow."""
+    bs = 4
+    bm = BlockManager(16, bs)
+    plans = PlanBuilder()
+    mirror = BatchMirror(bs)
+    seq = Sequence(3, [11, 12, 13, 14, 15, 16], SamplingParams())
+    bm.allocate(seq, [], 6)
+    mirror.apply(decode(encode(plans.build([seq], [6], [], []))))
+    seq.num_computed_tokens = 6
+    # A verification step: the sampled token and three drafts, four positions computed at once.
+    seq.token_ids += [20, 21, 22, 23]
+    bm.append(seq, 10)
+    plan = decode(encode(plans.build([], [], [seq], [4])))
+    assert plan.cached_seqs[0] == CachedSeq(3, 4, [20, 21, 22, 23], seq.block_table[2:])
+    batch = mirror.apply(plan)
+    assert batch.positions.tolist() == [6, 7, 8, 9] and batch.input_ids.tolist() == [20, 21, 22, 23]
+    seq.num_computed_tokens = 10
+    # One draft accepted (21), two rejected: 8 tokens stay, and the KV of all 8 is real (position 7 was
+    # computed from 21); the bonus token sampled after 21 follows.
+    del seq.token_ids[8:]
+    assert bm.truncate(seq, 8) == 8 and len(seq.block_table) == 2
+    plans.rollback(seq.seq_id, len(seq.token_ids), len(seq.block_table))
+    seq.token_ids.append(30)
+    bm.append(seq, 9)  # the next step computes position 8, in a fresh block
+    plan = decode(encode(plans.build([], [], [seq], [1])))
+    assert plan.cached_seqs[0] == CachedSeq(3, 1, [30], seq.block_table[2:], rollback_tokens=2, rollback_blocks=1)
+    batch = mirror.apply(plan)
+    assert batch.input_ids.tolist() == [30] and batch.positions.tolist() == [8]
+    assert batch.slot_mapping.tolist() == [seq.block_table[2] * bs]
+    assert mirror.get(3) == MirroredSeq(seq.token_ids, seq.block_table, 9)
+    # The next plan has no rollback left, and the mirror follows a plain decode step again.
+    seq.num_computed_tokens = 9
+    seq.token_ids.append(31)
+    plan = decode(encode(plans.build([], [], [seq], [1])))
+    assert plan.cached_seqs[0] == CachedSeq(3, 1, [31], [])
+    assert mirror.apply(plan).input_ids.tolist() == [31]
+
+
+def test_a_rollback_past_the_mirror_is_refused():
+    mirror = BatchMirror(4)
+    mirror.apply(StepPlan(new_seqs=[NewSeq(1, [1, 2, 3], [0], 0, 3)]))
+    with pytest.raises(RuntimeError, match="rolling back 4 tokens"):
+        mirror.apply(StepPlan(cached_seqs=[CachedSeq(1, 1, [4], [], rollback_tokens=4)]))
