@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtp.distributed.parallel import ParallelState
-from rtp.model.linear import PackableLinear, _copy, frozen_param
+from rtp.model.linear import LinearBase, _copy, frozen_param
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,8 +46,16 @@ class VocabParallelEmbedding(nn.Module):
         return self.ps.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
-    """Output projection: each rank computes its vocab slice, rank 0 gathers the logits."""
+class ParallelLMHead(VocabParallelEmbedding, LinearBase):
+    """Output projection: each rank computes its vocab slice, rank 0 gathers the logits.
+
+    Its weight has the embedding's layout and loader (plain); a tied head reads the embedding's weight
+    and has no checkpoint tensor of its own.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, ps: ParallelState, tied: bool = False) -> None:
+        super().__init__(vocab_size, dim, ps)
+        self.full_shapes = {} if tied else {None: (vocab_size, dim)}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [N, dim] -> logits [N, vocab_size] on rank 0, None elsewhere

@@ -1,16 +1,23 @@
-"""Tensor-parallel linear layers.
+"""Tensor-parallel linear layers and the methods that hold and apply their weights.
 
 Each parameter carries a ``weight_loader(param, source, shard_id=None)`` that
 copies this rank's slice from a checkpoint tensor. ``source`` is anything with
 ``get_shape()`` and slicing (a safetensors ``get_slice`` handle), so a rank
 reads only its slice.
 
-On CPU, :func:`pack_linear_weights` re-lays every weight out once, after loading,
-for the matmul :func:`cpu_linear_method` picks: rtp's C++ panel GEMM
-(:mod:`rtp.kernels.cpu_gemm`; fp32, or bf16 weights widened in registers) or
-oneDNN's blocked format (on AVX-512 CPUs for fp32, and where oneDNN has native
-bf16). Both are 2-4x faster than ``F.linear`` at decode shapes; the plain copy
-is dropped.
+A layer's :class:`LinearMethod` creates its weight parameters, names the
+checkpoint tensors they come from (``checkpoint_shapes()`` of the model asks
+it), may re-lay them out once after loading, and computes the product. Every
+layer starts with :class:`PlainLinearMethod` (``F.linear``); on CPU,
+:func:`pack_linear_weights` switches every layer after loading to the packed
+matmul :func:`cpu_linear_method` picks, which re-lays the weight out once and
+drops the plain copy: rtp's C++ panel GEMM (:class:`CpuGemmLinearMethod`,
+:mod:`rtp.kernels.cpu_gemm`; fp32, or bf16 weights widened in registers) or
+oneDNN's blocked format (:class:`OneDNNPackedLinearMethod`, on AVX-512 CPUs for
+fp32 and where oneDNN has native bf16). Both are 2-4x faster than ``F.linear``
+at decode shapes. A quantized format (FP8 blocks, AWQ, int8) is a further
+method: its own parameters (weights and scales) and checkpoint tensors, its
+own matmul.
 """
 
 from __future__ import annotations
@@ -97,38 +104,129 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class PackableLinear(nn.Module):
-    """A linear layer's weight and matmul, from the plain weight or from a oneDNN-packed copy."""
+class LinearMethod:
+    """How a linear layer holds its weight and computes ``x Wᵀ + b`` (stateless: one instance serves all)."""
+
+    def create_weights(self, layer: LinearBase, out_local: int, in_local: int,
+                       weight_loader: Callable[..., None]) -> None:
+        """Register this rank's weight parameters on ``layer`` (``out_local`` x ``in_local`` logical shape)."""
+        raise NotImplementedError
+
+    def checkpoint_tensors(self, prefix: str, out_features: int, in_features: int) -> dict[str, list[int]]:
+        """Full shapes of the checkpoint tensors of projection ``prefix`` (e.g. "model.layers.0.mlp.down_proj")."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: LinearBase, keep_plain: bool = False) -> None:
+        """Re-lay the loaded weights out for :meth:`apply`; ``keep_plain``: another module reads the weight."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [T, in_local] -> [T, out_local]``."""
+        raise NotImplementedError
+
+
+class PlainLinearMethod(LinearMethod):
+    """One dense ``weight [out, in]`` in the model's dtype, as the checkpoint stores it; ``F.linear``."""
+
+    def create_weights(self, layer: LinearBase, out_local: int, in_local: int,
+                       weight_loader: Callable[..., None]) -> None:
+        layer.weight = frozen_param(torch.empty(out_local, in_local), weight_loader)
+
+    def checkpoint_tensors(self, prefix: str, out_features: int, in_features: int) -> dict[str, list[int]]:
+        return {prefix + ".weight": [out_features, in_features]}
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class _PackedLinearMethod(PlainLinearMethod):
+    """The plain weight, re-laid out once after loading into ``layer.packed``; the plain copy is dropped."""
+
+    name: CpuLinearMethod
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: LinearBase, keep_plain: bool = False) -> None:
+        layer.out_features = layer.weight.shape[0]
+        layer.packed = self.pack(layer.weight)
+        layer.packed_method = self.name
+        if not keep_plain:
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+
+
+class OneDNNPackedLinearMethod(_PackedLinearMethod):
+    """oneDNN's blocked layout (fp32 or bf16 as loaded), multiplied by oneDNN. Only where
+    :func:`onednn_packing_supported`."""
+
+    name = "onednn"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return pack_weight(weight)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")  # as packed_linear
+
+
+class CpuGemmLinearMethod(_PackedLinearMethod):
+    """16-column panels for rtp's C++ GEMM (:mod:`rtp.kernels.cpu_gemm`). Only where it builds."""
+
+    name = "gemm"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.pack(weight)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_gemm.linear(x, layer.packed, layer.out_features, bias)  # type: ignore[arg-type]  # packed
+
+
+PLAIN = PlainLinearMethod()
+PACKED_METHODS: dict[CpuLinearMethod, _PackedLinearMethod] = {
+    "onednn": OneDNNPackedLinearMethod(), "gemm": CpuGemmLinearMethod(),
+}
+
+
+class LinearBase(nn.Module):
+    """A linear layer's weights and matmul, both delegated to its :class:`LinearMethod`.
+
+    ``full_shapes`` maps each shard id the checkpoint loader passes (None for an unfused layer) to the
+    full ``(out_features, in_features)`` of the checkpoint projection behind it.
+    """
 
     weight: nn.Parameter
-    packed: torch.Tensor | None = None
-    packed_method: CpuLinearMethod | None = None
-    out_features: int = 0
+    packed: torch.Tensor | None = None  # set by the packed methods
+    packed_method: CpuLinearMethod | None = None  # which one packed it
+    out_features: int = 0  # rows of the weight, kept by the packed methods (the plain copy is dropped)
+    method: LinearMethod = PLAIN
+    full_shapes: dict[object, tuple[int, int]] = {}  # replaced per instance, never mutated
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if self.packed is None:
-            return F.linear(x, self.weight, bias)
-        if self.packed_method == "gemm":
-            return cpu_gemm.linear(x, self.packed, self.out_features, bias)
-        return packed_linear(x, self.packed, bias)
+        return self.method.apply(self, x, bias)
 
-    def pack(self, method: CpuLinearMethod = "onednn", keep_plain: bool = False) -> None:
-        """Pack the loaded weight for ``method``; drop the plain copy unless another user shares it."""
-        self.out_features = self.weight.shape[0]
-        self.packed = cpu_gemm.pack(self.weight) if method == "gemm" else pack_weight(self.weight)
-        self.packed_method = method
-        if not keep_plain:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+    def checkpoint_tensors(self, prefixes: dict[object, str]) -> dict[str, list[int]]:
+        """Full shapes of this layer's checkpoint tensors; ``prefixes`` maps shard id -> projection name."""
+        shapes: dict[str, list[int]] = {}
+        for shard, (out_features, in_features) in self.full_shapes.items():
+            prefix = prefixes[shard]
+            shapes |= self.method.checkpoint_tensors(prefix, out_features, in_features)
+            if getattr(self, "bias", None) is not None:  # a layer with a bias has it in every shard
+                shapes[prefix + ".bias"] = [out_features]
+        return shapes
 
 
 def pack_linear_weights(model: nn.Module, method: CpuLinearMethod = "onednn") -> int:
-    """Pack every :class:`PackableLinear` of ``model`` (after loading) for ``method``; returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    """Switch every linear of ``model`` to the packed ``method`` (after loading); returns how many were packed.
+
+    A packed method holds the plain method's parameters and checkpoint tensors, so the switch is a re-layout.
+    """
+    packed = PACKED_METHODS[method]
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert all(m.method is PLAIN for m in layers), "only plain weights are packed"
     # A weight that another module also reads (a tied embedding) keeps its plain copy.
-    shared = {id(p) for m in model.modules() if not isinstance(m, PackableLinear) for p in m.parameters(recurse=False)}
+    shared = {id(p) for m in model.modules() if not isinstance(m, LinearBase) for p in m.parameters(recurse=False)}
     for m in layers:
-        m.pack(method, keep_plain=id(m.weight) in shared)
+        m.method = packed
+        packed.process_weights_after_loading(m, keep_plain=id(m.weight) in shared)
     return len(layers)
 
 
@@ -137,14 +235,16 @@ def load_full(param: nn.Parameter, source, shard_id=None) -> None:  # noqa: ANN0
     _copy(param, source[:])
 
 
-class ColumnParallelLinear(PackableLinear):
+class ColumnParallelLinear(LinearBase):
     """``y = x Wᵀ`` with W split by output rows: each rank produces a slice of y."""
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = False,
+                 method: LinearMethod = PLAIN) -> None:
         super().__init__()
-        self.ps = ps
+        self.ps, self.method = ps, method
         self.out_local = divide(out_features, ps.tp_size, "output features")
-        self.weight = frozen_param(torch.empty(self.out_local, in_features), self.weight_loader)
+        self.full_shapes = {None: (out_features, in_features)}
+        method.create_weights(self, self.out_local, in_features, self.weight_loader)
         self.bias = None
         if bias:
             self.bias = frozen_param(torch.empty(self.out_local), self.weight_loader)
@@ -160,9 +260,11 @@ class ColumnParallelLinear(PackableLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input fused into one matmul (gate ‖ up)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], ps: ParallelState) -> None:
-        super().__init__(in_features, sum(out_sizes), ps)
+    def __init__(self, in_features: int, out_sizes: list[int], ps: ParallelState,
+                 method: LinearMethod = PLAIN) -> None:
+        super().__init__(in_features, sum(out_sizes), ps, method=method)
         self.local_sizes = [divide(s, ps.tp_size, "intermediate size") for s in out_sizes]
+        self.full_shapes = {i: (size, in_features) for i, size in enumerate(out_sizes)}
 
     def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:  # noqa: ANN001
         size = self.local_sizes[shard_id]
@@ -180,7 +282,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, ps: ParallelState, bias: bool = False
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, ps: ParallelState, bias: bool = False,
+        method: LinearMethod = PLAIN,
     ) -> None:
         tp = ps.tp_size
         self.num_heads = divide(num_heads, tp, "num_attention_heads")
@@ -198,7 +301,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         # Build as a replicated-size layer of the local width, then fix the bookkeeping.
-        super().__init__(hidden, out * tp, ps, bias)
+        super().__init__(hidden, out * tp, ps, bias, method)
+        self.full_shapes = {"q": (num_heads * head_dim, hidden), "k": (num_kv_heads * head_dim, hidden),
+                            "v": (num_kv_heads * head_dim, hidden)}
 
     def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:  # noqa: ANN001
         d = self.head_dim
@@ -212,14 +317,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         _copy(param.data[offset : offset + size], source[start : start + size])
 
 
-class RowParallelLinear(PackableLinear):
+class RowParallelLinear(LinearBase):
     """``y = x Wᵀ`` with W split by input columns; partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = False,
+                 method: LinearMethod = PLAIN) -> None:
         super().__init__()
-        self.ps = ps
+        self.ps, self.method = ps, method
         self.in_local = divide(in_features, ps.tp_size, "input features")
-        self.weight = frozen_param(torch.empty(out_features, self.in_local), self.weight_loader)
+        self.full_shapes = {None: (out_features, in_features)}
+        method.create_weights(self, out_features, self.in_local, self.weight_loader)
         self.bias = None
         if bias:
             # The bias is added once, after the reduction.

@@ -19,15 +19,17 @@ from torch import nn
 
 from rtp.distributed.parallel import ParallelState
 from rtp.kernels.fused_moe import fused_moe
-from rtp.model.linear import PackableLinear, _copy, divide, frozen_param
+from rtp.model.linear import PLAIN, LinearBase, _copy, divide, frozen_param, load_full
 
 
-class MoERouter(PackableLinear):
+class MoERouter(LinearBase):
     """The gate: a replicated ``[num_experts, hidden]`` linear, softmax, top-k (HF Qwen3-MoE semantics)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)  # loaded in full
+        self.method = PLAIN
+        self.full_shapes = {None: (num_experts, hidden)}
+        self.method.create_weights(self, num_experts, hidden, load_full)  # loaded in full on every rank
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from rtp.distributed.parallel import ParallelState
 from rtp.errors import ModelShapeError
 from rtp.model.attention import AttnMetadata, PagedAttention
 from rtp.model.embedding import ParallelLMHead, VocabParallelEmbedding
-from rtp.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, divide
+from rtp.model.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, divide
 from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, rope_inv_freq
 
 
@@ -161,7 +161,7 @@ class Qwen3ForCausalLM(nn.Module):
         inv_freq, scale = rope_inv_freq(hf_config, spec.head_dim)
         rotary = RotaryEmbedding(spec.head_dim, max_positions, inv_freq, scale)
         self.model = Qwen3Model(spec, ps, rotary, lambda i: self.make_mlp(i, ps))
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps, tied=spec.tie_word_embeddings)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -179,33 +179,26 @@ class Qwen3ForCausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, PagedAttention)]
 
     def checkpoint_shapes(self) -> dict[str, list[int]]:
-        """Full (unsharded) shape of every tensor the checkpoint must hold."""
+        """Full (unsharded) shape of every tensor the checkpoint must hold; the linears' methods name theirs."""
         s, d = self.spec, self.spec.head_dim
         shapes = {"model.embed_tokens.weight": [s.vocab_size, s.hidden_size], "model.norm.weight": [s.hidden_size]}
-        if not s.tie_word_embeddings:
-            shapes["lm_head.weight"] = [s.vocab_size, s.hidden_size]
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
             shapes |= {
                 p + "input_layernorm.weight": [s.hidden_size],
                 p + "post_attention_layernorm.weight": [s.hidden_size],
-                p + "self_attn.q_proj.weight": [s.num_heads * d, s.hidden_size],
-                p + "self_attn.k_proj.weight": [s.num_kv_heads * d, s.hidden_size],
-                p + "self_attn.v_proj.weight": [s.num_kv_heads * d, s.hidden_size],
-                p + "self_attn.o_proj.weight": [s.hidden_size, s.num_heads * d],
                 p + "self_attn.q_norm.weight": [d],
                 p + "self_attn.k_norm.weight": [d],
-                p + "mlp.gate_proj.weight": [s.intermediate_size, s.hidden_size],
-                p + "mlp.up_proj.weight": [s.intermediate_size, s.hidden_size],
-                p + "mlp.down_proj.weight": [s.hidden_size, s.intermediate_size],
             }
-            if s.attention_bias:
-                shapes |= {
-                    p + "self_attn.q_proj.bias": [s.num_heads * d],
-                    p + "self_attn.k_proj.bias": [s.num_kv_heads * d],
-                    p + "self_attn.v_proj.bias": [s.num_kv_heads * d],
-                    p + "self_attn.o_proj.bias": [s.hidden_size],
-                }
+        fused: dict[str, list[tuple[str, object]]] = {}  # module name fragment -> [(checkpoint fragment, shard)]
+        for frag, (target, shard) in self.stacked.items():
+            fused.setdefault(target, []).append((frag, shard))
+        for name, module in self.named_modules():
+            if isinstance(module, LinearBase):
+                parent, _, leaf = name.rpartition(".")
+                stem = f"{parent}." if parent else ""
+                prefixes = {shard: stem + frag for frag, shard in fused.get(leaf, [])} or {None: name}
+                shapes |= module.checkpoint_tensors(prefixes)
         return shapes
 
     def param_for(self, name: str) -> tuple[str, object]:

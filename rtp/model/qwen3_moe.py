@@ -105,11 +105,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         """Full (unsharded) shape of every tensor the checkpoint must hold."""
         s = self.moe_spec
         shapes = super().checkpoint_shapes()
-        for i in s.sparse_layers:
+        for i in s.sparse_layers:  # the router (gate) is a linear: listed by the base class
             p = f"model.layers.{i}.mlp."
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                del shapes[p + proj + ".weight"]
-            shapes[p + "gate.weight"] = [s.num_experts, s.hidden_size]
             for e in range(s.num_experts):
                 q = f"{p}experts.{e}."
                 shapes[q + "gate_proj.weight"] = [s.moe_intermediate_size, s.hidden_size]

@@ -80,3 +80,63 @@ def test_tied_lm_head_keeps_the_embedding_weight(tmp_path) -> None:  # noqa: ANN
         assert model.model.embed_tokens.weight.numel() > 0  # the embedding lookup still has its rows
         assert (model.lm_head.weight.numel() > 0) == tied  # an untied head drops its plain copy
         assert model.model.layers[0].mlp.gate_up_proj.weight.numel() == 0
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("tied", [True, False])
+def test_checkpoint_shapes_are_the_tensors_of_hf_transformers(tmp_path, moe: bool, tied: bool) -> None:  # noqa: ANN001
+    """The names and full shapes the linears' methods declare (plus norms and embeddings) are exactly HF's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rtp.runtime.model_runner import load_model
+    from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec, make_tiny_qwen3
+
+    spec = TinyQwen3MoeSpec(tie_word_embeddings=tied) if moe else TinyQwen3Spec(tie_word_embeddings=tied)
+    path = make_tiny_qwen3(tmp_path, spec)
+    model, _ = load_model(path, ParallelState.single(), torch.float32)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    expected: dict[str, list[int]] = {}
+    for name, t in hf.state_dict().items():
+        stem, _, leaf = name.rpartition(".experts.")
+        if leaf not in ("gate_up_proj", "down_proj"):  # (older transformers name every expert's tensors)
+            expected[name] = list(t.shape)
+            continue
+        # transformers 5 stacks the experts in memory; checkpoints (and rtp) hold one tensor per expert.
+        for e in range(t.shape[0]):
+            if leaf == "gate_up_proj":  # [E, 2 * I, H]
+                half = [t.shape[1] // 2, t.shape[2]]
+                expected[f"{stem}.experts.{e}.gate_proj.weight"] = expected[f"{stem}.experts.{e}.up_proj.weight"] = half
+            else:  # down_proj [E, H, I]
+                expected[f"{stem}.experts.{e}.{leaf}.weight"] = list(t.shape[1:])
+    if tied:
+        del expected["lm_head.weight"]  # the embedding, again
+    assert model.checkpoint_shapes() == expected
+
+
+def test_a_linear_method_declares_its_own_checkpoint_tensors() -> None:
+    """The seam a quantized format plugs into: its parameters, its tensors, its matmul."""
+    from rtp.model.linear import PlainLinearMethod, frozen_param
+
+    class ScaledMethod(PlainLinearMethod):  # a weight plus one scale per output row
+        def create_weights(self, layer, out_local, in_local, weight_loader) -> None:  # noqa: ANN001
+            super().create_weights(layer, out_local, in_local, weight_loader)
+            layer.weight_scale = frozen_param(torch.ones(out_local, 1), weight_loader)
+
+        def checkpoint_tensors(self, prefix: str, out_features: int, in_features: int) -> dict[str, list[int]]:
+            return super().checkpoint_tensors(prefix, out_features, in_features) | {
+                prefix + ".weight_scale": [out_features, 1]}
+
+        def apply(self, layer, x, bias):  # noqa: ANN001, ANN201
+            return F.linear(x, layer.weight * layer.weight_scale, bias)
+
+    from rtp.model.linear import MergedColumnParallelLinear
+
+    ps = ParallelState.single()
+    layer = MergedColumnParallelLinear(8, [6, 6], ps, method=ScaledMethod())
+    assert layer.checkpoint_tensors({0: "mlp.gate_proj", 1: "mlp.up_proj"}) == {
+        "mlp.gate_proj.weight": [6, 8], "mlp.gate_proj.weight_scale": [6, 1],
+        "mlp.up_proj.weight": [6, 8], "mlp.up_proj.weight_scale": [6, 1]}
+    layer.weight.data.normal_()
+    layer.weight_scale.data.fill_(2.0)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), F.linear(x, 2.0 * layer.weight))
