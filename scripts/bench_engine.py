@@ -49,6 +49,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from rtp.config import RtpConfig
 from rtp.core.step import StepPlan, decode, encode
@@ -56,7 +57,7 @@ from rtp.distributed.shm_channel import ShmChannel, make_channel_name
 from rtp.runtime.batch import BatchMirror
 from rtp.runtime.detokenizer import IncrementalDetokenizer
 from rtp.runtime.engine import Engine
-from rtp.runtime.model_runner import ModelRunner
+from rtp.runtime.model_runner import ModelRunner, StepOutput
 from rtp.runtime.sampler import SamplerOutput, SampleRow
 from rtp.sampling import SamplingParams
 from rtp.testing import default_model_dir
@@ -103,7 +104,7 @@ class NullRunner:
         self.received: StepPlan | None = None  # the plan as the worker decoded it
         self.last_batch = None
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan) -> StepOutput:
         """Apply the decoded plan and build the step's tensors; return [num_samples, 1] dummy logits."""
         received, self.received = self.received, None
         assert received is not None, "transport did not deliver the plan"
@@ -117,7 +118,7 @@ class NullRunner:
         cur["apply"] += t1 - t0
         cur["to_device"] += t2 - t1
         self.last_batch = batch
-        return torch.empty(len(sample_idx), 1)
+        return StepOutput(sample_logits=torch.empty(len(sample_idx), 1))
 
 
 class FixedSampler:
@@ -189,9 +190,9 @@ def run_case(model_dir: Path, num_seqs: int, steps: int, warmup: int, prompt_len
     try:
         reader = ShmChannel.attach(name, 0, timeout=5)
         sizes: list[int] = []
-        runner = NullRunner(times, block_size, num_blocks, max_model_len, vocab=0)
+        vocab = len(AutoTokenizer.from_pretrained(str(model_dir)))  # the engine checks prompts against it
+        runner = NullRunner(times, block_size, num_blocks, max_model_len, vocab=vocab)
         engine = Engine(config, runner, model_dir, transport=_transport(times, writer, reader, runner, sizes))
-        runner.spec.vocab_size = len(engine.tokenizer)
         token = engine.tokenizer.encode(" the", add_special_tokens=False)[0]
         assert token not in engine.eos_token_ids
         sampler = FixedSampler(token)

@@ -1,8 +1,9 @@
-"""StepPlan -> tensors -> forward -> logits on rank 0. CUDA graphs for decode on GPU."""
+"""StepPlan -> tensors -> forward -> a StepOutput (logits) on rank 0. CUDA graphs for decode on GPU."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,55 @@ from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_bl
 logger = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PromptLogits:
+    """The logits of every position of one sequence's chunk, for its prompt logprobs."""
+
+    seq_id: int
+    first_pos: int
+    """Position of the chunk's first token: row ``j`` holds the logits after position ``first_pos + j``."""
+    logits: torch.Tensor
+    """[chunk length, vocab] float32."""
+
+
+@dataclass
+class StepOutput:
+    """What one step's forward pass hands rank 0's engine (other ranks get an empty one).
+
+    Room for what later steps produce besides logits (hidden states for an EAGLE proposer).
+    """
+
+    sample_logits: torch.Tensor | None = None
+    """[S, vocab] float32: one row per sequence sampled this step, in batch order; None when none is."""
+    prompt_logits: list[PromptLogits] = field(default_factory=list)
+    """One entry per sequence of ``plan.prompt_logprob_seq_ids`` in the batch, in batch order."""
+
+
+def logit_rows(batch: BatchInputs, prompt_logit_seq_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """How many logits rows each sequence of ``batch`` gets, and which of them are sampled: ([B], [B]).
+
+    A sampled sequence gets one row (its chunk's last position); a sequence whose prompt
+    logprobs are wanted gets one per position of its chunk (the last one doubles as its
+    sample row when it is sampled); any other sequence gets none.
+    """
+    ends = batch.cu_seqlens_q[1:].astype(np.int64)  # [B] flat end of each chunk
+    sampled = np.zeros(len(ends), dtype=bool)  # [B]
+    # sample_indices are the (ascending) last flat positions of the sampled chunks
+    sampled[np.searchsorted(ends - 1, batch.sample_indices)] = True
+    counts = sampled.astype(np.int64)  # [B]
+    if prompt_logit_seq_ids:
+        wanted = np.isin(np.asarray(batch.seq_ids, dtype=np.int64), prompt_logit_seq_ids)  # [B]
+        counts[wanted] = np.asarray(batch.q_lens, dtype=np.int64)[wanted]
+    return counts, sampled
+
+
+def _flat_positions(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Flat positions of the last ``counts[b]`` tokens of each chunk ``b`` ending at ``ends[b]``: [sum(counts)]."""
+    owner = np.repeat(np.arange(len(counts)), counts)  # [R] chunk of each row
+    group_start = np.add.accumulate(counts) - counts  # [B] first row of each chunk's group
+    return (ends - counts)[owner] + np.arange(int(counts.sum())) - group_start[owner]
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -127,9 +177,6 @@ class ModelRunner:
         )
         allocate_kv_cache(layers, self.num_blocks, block_size, self.dtype, ps.device)
         self.mirror = BatchMirror(block_size)
-        # Rank 0, after a step whose plan names prompt_logprob_seq_ids: (spans, float32 logits of
-        # every position of those chunks), see BatchInputs.prompt_logit_spans. None otherwise.
-        self.prompt_logits: tuple[list[tuple[int, int, int]], torch.Tensor] | None = None
         self.graphs: CudaGraphs | None = None
         if self.attn_backend in ("flash", "triton") and not enforce_eager:  # both decode paths are capturable
             max_blocks = -(-self.max_model_len // block_size)
@@ -179,35 +226,53 @@ class ModelRunner:
         return ids, pos, meta
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one step. Returns float32 logits ``[num_samples, vocab]`` on rank 0, None elsewhere."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one step. On rank 0 the StepOutput holds the step's float32 logits; elsewhere it is empty."""
         batch = self.mirror.apply(plan)
         if batch.num_tokens == 0:
-            return None
+            return StepOutput()
         ids, pos, meta = self.to_device(batch)
         graphs = self.graphs if meta.decode_only else None
         if graphs is not None and graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
             hidden = graphs.run(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta)  # [T, hidden]
-        self.prompt_logits = None
-        num_samples = len(batch.sample_indices)
-        extra = batch.prompt_logit_indices
-        if num_samples == 0 and (extra is None or len(extra) == 0):
-            # a prefill chunk that does not reach its prompt's end (the plan is the same on
-            # every rank, so all skip the gather together)
-            return None
-        indices = batch.sample_indices if extra is None else np.concatenate([batch.sample_indices, extra])
-        sample_idx = torch.from_numpy(indices).to(self.ps.device)
-        # Only the rows asked for go through the LM head: the last position of each sampled
-        # chunk, plus every position of the chunks of requests that want prompt logprobs.
-        logits = self.model.compute_logits(hidden[sample_idx])
-        if logits is None:  # not rank 0
-            return None
-        logits = logits.float()
-        if extra is not None and batch.prompt_logit_spans:
-            self.prompt_logits = (batch.prompt_logit_spans, logits[num_samples:])
-        return logits[:num_samples] if num_samples else None
+        if not plan.prompt_logprob_seq_ids:
+            # The common case: one row per sampled sequence, so the rows are the sample rows.
+            if len(batch.sample_indices) == 0:
+                # a prefill chunk that does not reach its prompt's end (the plan is the same on
+                # every rank, so all skip the gather together)
+                return StepOutput()
+            logits = self._logits(hidden, batch.sample_indices)
+            return StepOutput(sample_logits=logits)
+        counts, sampled = logit_rows(batch, plan.prompt_logprob_seq_ids)
+        if not counts.any():
+            return StepOutput()
+        ends = batch.cu_seqlens_q[1:].astype(np.int64)  # [B]
+        logits = self._logits(hidden, _flat_positions(ends, counts))  # [R, vocab]
+        if logits is None:
+            return StepOutput()
+        group_end = np.add.accumulate(counts)  # [B] one past each sequence's last row
+        sample_rows = (group_end - 1)[sampled]  # [S]
+        out = StepOutput()
+        if len(sample_rows):
+            out.sample_logits = logits[torch.from_numpy(sample_rows).to(logits.device)]
+        wanted = set(plan.prompt_logprob_seq_ids)
+        for b, seq_id in enumerate(batch.seq_ids):
+            if seq_id in wanted:
+                first = int(ends[b]) - batch.q_lens[b]  # flat index of the chunk's first token
+                rows = logits[int(group_end[b] - counts[b]) : int(group_end[b])]
+                out.prompt_logits.append(PromptLogits(seq_id, int(batch.positions[first]), rows))
+        return out
+
+    def _logits(self, hidden: torch.Tensor, positions: np.ndarray) -> torch.Tensor | None:
+        """float32 logits of the flat ``positions`` ([R] int64) on rank 0: [R, vocab]; None elsewhere.
+
+        Only these rows go through the LM head (every rank calls this: the logits are gathered).
+        """
+        idx = torch.from_numpy(positions).to(self.ps.device)
+        logits = self.model.compute_logits(hidden[idx])
+        return None if logits is None else logits.float()
 
 
 class CudaGraphs:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rtp.log import get_logger
+from rtp.runtime.logprobs import top_logprobs
 from rtp.sampling import SamplingParams, TokenConstraint
 
 logger = get_logger(__name__)
@@ -452,18 +453,8 @@ class Sampler:
         if not want:
             return out
         idx = torch.tensor(want, device=raw.device)
-        logprobs = torch.log_softmax(raw[idx], dim=-1)  # [num_want, vocab]
-        sampled_lp = logprobs.gather(1, tokens[idx][:, None])[:, 0].tolist()
-        max_n = min(max(rows[i].params.logprobs or 0 for i in want), raw.shape[1])
-        top_lp: list[list[float]] = [[] for _ in want]
-        top_ids: list[list[int]] = [[] for _ in want]
-        if max_n > 0:
-            top = torch.topk(logprobs, max_n, dim=-1)  # descending: [num_want, max_n]
-            top_lp, top_ids = top.values.tolist(), top.indices.tolist()
-        for j, i in enumerate(want):
-            n = rows[i].params.logprobs or 0
-            entry = dict(zip(top_ids[j][:n], top_lp[j][:n]))
-            entry[token_list[i]] = sampled_lp[j]
+        entries = top_logprobs(raw[idx], tokens[idx], [rows[i].params.logprobs or 0 for i in want])
+        for i, entry in zip(want, entries):
             out[i] = entry
         return out
 

@@ -178,10 +178,11 @@ def runner_logits(model_dir: Path, backend: str, eager: bool, device: torch.devi
         assert (runner.graphs is None) == eager, "CUDA graphs not captured"
         prompts, blocks = [list(range(1, 36)), list(range(40, 60))], [[0, 1, 2], [5, 4, 3]]
         logits = [runner.execute(StepPlan(new_seqs=[NewSeq(i, p, blocks[i], 0, len(p))
-                                                    for i, p in enumerate(prompts)]))]
+                                                    for i, p in enumerate(prompts)])).sample_logits]
         for step in range(6):
             toks = [(7 * step + 3 * i) % 500 for i in range(2)]
-            logits.append(runner.execute(StepPlan(cached_seqs=[CachedSeq(i, 1, [toks[i]], []) for i in range(2)])))
+            logits.append(runner.execute(StepPlan(cached_seqs=[CachedSeq(i, 1, [toks[i]], []) for i in range(2)]))
+                          .sample_logits)
         return torch.stack(logits)
     finally:
         runner.close()

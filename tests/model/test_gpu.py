@@ -51,10 +51,12 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
         runner = ModelRunner(ParallelState.single("cuda"), path, dtype="bfloat16", block_size=256, num_kv_blocks=16,
                              enforce_eager=eager, cuda_graph_max_batch=8)
         prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
-        logits = [runner.execute(StepPlan(new_seqs=[NewSeq(i, p, [i], 0, len(p)) for i, p in enumerate(prompts)]))]
+        logits = [runner.execute(StepPlan(new_seqs=[NewSeq(i, p, [i], 0, len(p)) for i, p in enumerate(prompts)]))
+                  .sample_logits]
         for _ in range(5):
             nxt = logits[-1].argmax(-1).tolist()
-            logits.append(runner.execute(StepPlan(cached_seqs=[CachedSeq(i, 1, [nxt[i]], []) for i in range(2)])))
+            plan = StepPlan(cached_seqs=[CachedSeq(i, 1, [nxt[i]], []) for i in range(2)])
+            logits.append(runner.execute(plan).sample_logits)
         assert (runner.graphs is None) == eager
         outs.append(torch.stack(logits))
     # bf16, and flash-attn may split the KV differently for the graph's wider block table.

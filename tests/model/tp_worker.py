@@ -26,9 +26,10 @@ def mixed_start(runner: ModelRunner, ps: ParallelState, n: int, logits, tokens: 
     """
     first_ids = ps.broadcast_object([int(r.argmax()) for r in logits] if ps.rank == 0 else None)
     rest = [CachedSeq(i, 1, [first_ids[i - 1]], []) for i in range(1, n)]
-    second = runner.execute(StepPlan(cached_seqs=[CachedSeq(0, 3, [], []), *rest]))  # rows: prompt 0, 1..n-1
+    plan = StepPlan(cached_seqs=[CachedSeq(0, 3, [], []), *rest])
+    second = runner.execute(plan).sample_logits  # rows: prompt 0, 1..n-1
     tok0 = ps.broadcast_object(int(second[0].argmax()) if ps.rank == 0 else None)
-    third = runner.execute(StepPlan(cached_seqs=[CachedSeq(0, 1, [tok0], [])]))
+    third = runner.execute(StepPlan(cached_seqs=[CachedSeq(0, 1, [tok0], [])])).sample_logits
     if ps.rank != 0:
         return None
     tokens[0] += [tok0, int(third[0].argmax())]
@@ -54,12 +55,12 @@ def run_model(
     first = StepPlan(
         new_seqs=[NewSeq(i, p, tables[i], 0, len(p) - (3 if i == 0 else 0)) for i, p in enumerate(prompts)]
     )
-    logits = runner.execute(first)
+    logits = runner.execute(first).sample_logits
     tokens = [[] for _ in prompts]
     if mixed:
         last, have = mixed_start(runner, ps, len(prompts), logits, tokens), 2
     else:
-        second = runner.execute(StepPlan(cached_seqs=[CachedSeq(0, 3, [], [])]))
+        second = runner.execute(StepPlan(cached_seqs=[CachedSeq(0, 3, [], [])])).sample_logits
         have = 1
         if ps.rank == 0:
             last = torch.cat([second, logits])  # row order: prompt 0, then prompts 1..n
@@ -67,7 +68,8 @@ def run_model(
                 tokens[i].append(int(last[i].argmax()))
     for _ in range(steps - have):
         next_ids = ps.broadcast_object([t[-1] for t in tokens] if ps.rank == 0 else None)
-        out = runner.execute(StepPlan(cached_seqs=[CachedSeq(i, 1, [next_ids[i]], []) for i in range(len(prompts))]))
+        plan = StepPlan(cached_seqs=[CachedSeq(i, 1, [next_ids[i]], []) for i in range(len(prompts))])
+        out = runner.execute(plan).sample_logits
         if ps.rank == 0:
             for i in range(len(prompts)):
                 tokens[i].append(int(out[i].argmax()))

@@ -16,6 +16,7 @@ from rtp.config import RtpConfig
 from rtp.errors import RequestError
 from rtp.runtime.batch import BatchMirror
 from rtp.runtime.engine import Engine
+from rtp.runtime.model_runner import StepOutput
 from rtp.sampling import SamplingParams
 from rtp.testing import default_model_dir
 
@@ -46,7 +47,7 @@ class ScriptedRunner:
             logits = torch.zeros(VOCAB)
             logits[tokens[min(generated, len(tokens) - 1)]] = 10.0
             rows.append(logits)
-        return torch.stack(rows) if rows else None
+        return StepOutput(sample_logits=torch.stack(rows) if rows else None)
 
 
 @pytest.fixture(scope="module")

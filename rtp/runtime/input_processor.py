@@ -1,0 +1,52 @@
+"""Requests in: prompts to token ids, and the checks that refuse a request before it is queued.
+
+Runs in the submitting thread (the caller of ``generate``, the server's
+tokenizing thread), never in the step loop: everything that can fail because of
+what the user sent fails here, with a RequestError that says what is allowed.
+"""
+
+from __future__ import annotations
+
+from rtp.errors import RequestError
+from rtp.runtime.model_info import ModelInfo
+from rtp.runtime.sampler import bad_words_token_ids
+from rtp.sampling import SamplingParams
+
+
+class InputProcessor:
+    """Tokenization and token-id checks against one model's tokenizer and vocabulary."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt given as text or ids, validated."""
+        if isinstance(prompt, str):
+            ids = self.info.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is out of range: the vocabulary has {vocab} ids")
+        return ids
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuse token ids in ``params`` (logit_bias, allowed_token_ids) that the vocabulary does not have."""
+        vocab = self.info.vocab_size
+        for name, ids in (("logit_bias", list(params.logit_bias or {})),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise RequestError(f"SamplingParams.{name}={bad[0]} is invalid: token id {bad[0]} is out of range, "
+                                   f"the vocabulary has {vocab} ids")
+
+    def bad_words_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """``params.bad_words`` as the token sequences the sampler bans, or None without bad words."""
+        if not params.bad_words:
+            return None
+        return bad_words_token_ids(params.bad_words, self.info.tokenizer)

@@ -1,0 +1,232 @@
+"""Requests out: the sampled tokens of each step become RequestOutputs (tokens, logprobs, text, finish).
+
+A request is one :class:`RequestState` holding one :class:`SampleState` per
+sample (n = 1 is one sample). Every token of every sample takes one path,
+:meth:`OutputProcessor.append_tokens`, which accepts several tokens of a sample
+per step (speculative decoding emits 1..k+1): tokens and logprobs appended, the
+first-token time, the detokenizer with its stop strings, the finish and the
+flush of held-back text.
+
+With n = 1 a sample writes straight into the request's RequestOutput (its flat
+fields are the sample). With n > 1 each sample has its own CompletionOutput;
+sample 0's token and logprob lists are the request's flat lists (the same
+objects) and its text and deltas are copied there, and a sample that did not
+change in a step shows empty deltas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rtp.core.sequence import Sequence, SequenceStatus
+from rtp.outputs import CompletionOutput, RequestOutput
+from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
+from rtp.runtime.logprobs import top_logprobs
+from rtp.runtime.model_runner import PromptLogits
+from rtp.runtime.sampler import PenaltyState, SampleRow, is_plain_greedy
+from rtp.sampling import TokenConstraint
+
+_FINISHED = SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class SampleState:
+    """One sample of a request: its sequence, detokenizer and the per-sequence sampler state."""
+
+    request: RequestState
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    out: CompletionOutput | RequestOutput
+    """Where this sample's tokens and text go: the request's own output when n == 1."""
+    penalty: PenaltyState | None
+    constraint: TokenConstraint | None
+    bad_words: list[list[int]] | None = None
+    """``params.bad_words`` tokenized."""
+
+    def row(self) -> SampleRow:
+        """What the sampler needs of this sample's sequence at this step."""
+        seq = self.seq
+        return SampleRow(seq.params, seq.num_completion_tokens, seq.token_ids, seq.num_prompt_tokens,
+                         self.penalty, self.constraint, self.bad_words)
+
+
+@dataclass(eq=False)
+class RequestState:
+    """A request's output and its samples, owned by the stepping thread once it is queued."""
+
+    output: RequestOutput
+    samples: list[SampleState]
+    """One per sample, sample 0 (the one that prefills the prompt) first."""
+    pending_forks: list[SampleState]
+    """Samples 1.. not forked from sample 0 yet (n > 1, until sample 0's first token)."""
+    num_unfinished: int
+    multi: bool
+    """n > 1: the samples have CompletionOutputs of their own."""
+    needs_rows: bool
+    """The sampler needs this request's SampleRows (not plain greedy, or n > 1)."""
+    last_step: int = -1
+    """The output step that last changed the request (n > 1: its samples' deltas are reset once per step)."""
+
+    @property
+    def request_id(self) -> str:
+        return self.output.request_id
+
+    @classmethod
+    def create(cls, request_id: str, prompt: str | None, seqs: list[Sequence], decoder: TokenDecoder,
+               bad_words: list[list[int]] | None) -> RequestState:
+        """The state of a request whose samples are ``seqs`` (one per sample, all with the same prompt).
+
+        Each sample's constraint factory runs here, in the submitting thread, not in the step loop.
+        """
+        first = seqs[0]
+        params, ids = first.params, first.token_ids
+        multi = len(seqs) > 1
+        output = RequestOutput(request_id, prompt, list(ids), arrival_time=first.arrival_time or time.time(),
+                               logprobs=[] if params.logprobs is not None else None,
+                               prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
+        req = cls(output, [], [], len(seqs), multi, multi or not is_plain_greedy(params))
+        comps = [CompletionOutput(i, logprobs=[] if s.params.logprobs is not None else None)
+                 for i, s in enumerate(seqs)] if multi else []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            out: CompletionOutput | RequestOutput = comps[i] if multi else output
+            constraint = p.constraint() if p.constraint is not None else None
+            req.samples.append(SampleState(req, seq, IncrementalDetokenizer(decoder, ids, p), out,
+                                           PenaltyState() if p.has_penalties else None, constraint, bad_words))
+        req.pending_forks = req.samples[1:]
+        if multi:
+            output.samples = comps
+            output.token_ids, output.logprobs = comps[0].token_ids, comps[0].logprobs
+        return req
+
+
+class OutputProcessor:
+    """The live requests of rank 0's engine and the outputs their tokens produce.
+
+    ``finish_seq(seq_id, reason)`` ends a sequence in the scheduler (a stop string, a finished
+    grammar); ``on_finished(request_id)`` is told when a request's final output is ready.
+    """
+
+    def __init__(self, finish_seq: Callable[[int, str], None], on_finished: Callable[[str], None]) -> None:
+        self._finish_seq, self._on_finished = finish_seq, on_finished
+        self.requests: dict[str, RequestState] = {}
+        self.samples: dict[int, SampleState] = {}  # by sequence id, every sample of every live request
+        # Ids of the live requests whose samples need SampleRows; while there are none, a step
+        # samples with one argmax and builds no SampleRow objects.
+        self.full_sample_ids: set[str] = set()
+        self._step = 0
+
+    def add(self, req: RequestState) -> None:
+        """Track a request the scheduler accepted."""
+        self.requests[req.request_id] = req
+        for smp in req.samples:
+            self.samples[smp.seq.seq_id] = smp
+        if req.needs_rows:
+            self.full_sample_ids.add(req.request_id)
+
+    def finish(self, req: RequestState) -> RequestOutput:
+        """Stop tracking ``req``; returns its final output."""
+        req.output.finish_time = time.time()
+        self.requests.pop(req.request_id, None)
+        self.full_sample_ids.discard(req.request_id)
+        req.pending_forks = []
+        for smp in req.samples:
+            self.samples.pop(smp.seq.seq_id, None)
+        self._on_finished(req.request_id)
+        return req.output
+
+    def abort(self, req: RequestState, message: str | None = None) -> RequestOutput:
+        """Finish ``req`` with finish_reason "abort" (and ``message`` as its error, if given)."""
+        for smp in req.samples:
+            if smp.out.finish_reason is None:
+                smp.out.finish_reason = "abort"
+        req.output.finish_reason, req.output.error = "abort", message
+        return self.finish(req)
+
+    def process(self, seqs: list[Sequence], tokens: list[int], logprobs: list[dict[int, float] | None],
+                prompt_logits: list[PromptLogits], changed: list[RequestOutput]) -> None:
+        """Add one step's prompt logprobs, then its sampled token of each of ``seqs``; every request that
+        changed joins ``changed``."""
+        if prompt_logits:  # first: a request that finishes below leaves the live set
+            self.record_prompt_logprobs(prompt_logits)
+        self._step += 1
+        now = time.time()
+        samples, append = self.samples, self.append_tokens
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            append(samples[seq.seq_id], [token], [lp], now, changed)
+
+    def append_tokens(self, smp: SampleState, tokens: list[int], logprobs: list[dict[int, float] | None],
+                      now: float, changed: list[RequestOutput]) -> None:
+        """Add the tokens ``smp`` got in this step (the scheduler has appended them to its sequence).
+
+        ``logprobs`` has one entry per token (None where none were asked for). Only the
+        last token may have ended the sequence; an EOS or stop token that did never reaches the text.
+        """
+        req, seq, out = smp.request, smp.seq, smp.out
+        request_out = req.output
+        if not req.multi:
+            changed.append(request_out)
+        elif req.last_step != self._step:  # the request's first change in this step
+            req.last_step = self._step
+            for s in req.samples:
+                s.out.new_text, s.out.new_token_ids = "", []
+            request_out.new_text, request_out.new_token_ids = "", []
+            changed.append(request_out)
+        constraint = smp.constraint
+        if constraint is not None:
+            for token in tokens:
+                constraint.accept(token)
+            if constraint.is_terminated() and seq.status is not _FINISHED:
+                self._finish_seq(seq.seq_id, "stop")
+        out.new_token_ids = tokens
+        out.token_ids.extend(tokens)
+        if out.logprobs is not None:
+            out.logprobs.extend(logprobs)  # type: ignore[arg-type]  # not None where logprobs are asked for
+        if request_out.first_token_time is None:
+            request_out.first_token_time = now
+        delta = ""
+        detok = smp.detok
+        for token in tokens if seq.status is not _FINISHED or seq.finish_reason != "stop" else tokens[:-1]:
+            text, stopped = detok.add(token)
+            delta += text
+            if stopped:  # a stop string wins over reaching max_tokens on the same token
+                self._finish_seq(seq.seq_id, "stop")
+                seq.finish_reason = "stop"
+                break
+        finished = seq.status is _FINISHED
+        if finished:
+            delta += detok.flush()
+            out.finish_reason = seq.finish_reason
+            req.num_unfinished -= 1
+        out.new_text, out.text = delta, detok.text
+        if out is not request_out and smp is req.samples[0]:  # n > 1: sample 0 is the request's flat fields
+            request_out.text, request_out.new_text, request_out.new_token_ids = out.text, delta, tokens
+        if finished and req.num_unfinished == 0:
+            first = req.samples[0]
+            request_out.finish_reason = first.out.finish_reason
+            request_out.num_cached_tokens = first.seq.num_cached_tokens
+            self.finish(req)  # already in changed
+
+    def record_prompt_logprobs(self, prompt_logits: list[PromptLogits]) -> None:
+        """Turn one step's prompt-position logits into RequestOutput.prompt_logprobs entries."""
+        for chunk in prompt_logits:
+            smp = self.samples.get(chunk.seq_id)
+            plp = None if smp is None else smp.request.output.prompt_logprobs
+            if smp is None or plp is None:
+                continue
+            prompt, first = smp.request.output.prompt_token_ids, chunk.first_pos
+            m = min(len(chunk.logits), len(prompt) - 1 - first)  # rows that predict a prompt token
+            if m <= 0:
+                continue
+            targets = torch.tensor(prompt[first + 1 : first + 1 + m], device=chunk.logits.device)  # [m]
+            k = smp.seq.params.prompt_logprobs or 0
+            plp[first + 1 : first + 1 + m] = top_logprobs(chunk.logits[:m], targets, [k] * m)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every live request with ``message`` as its error; returns their outputs."""
+        return [self.abort(req, message) for req in list(self.requests.values())]
+
