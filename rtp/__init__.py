@@ -32,8 +32,8 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
     """
     global _current
     from rtp.assets import trained_model_dir
-    from rtp.runtime.coordinator import start
     from rtp.runtime.onednn_caches import bound_onednn_caches
+    from rtp.runtime.startup import start
 
     bound_onednn_caches()  # before any oneDNN primitive exists: their capacities are read once
 

@@ -1,2 +1,3 @@
-"""Per-rank runtime: KV cache, model runner, the rank-0 coordinator and the worker loop,
-plus the rank-0 sampler and incremental detokenizer."""
+"""Per-rank runtime: start-up, KV cache, model runner and the worker loop on every rank; on rank 0 the
+engine (input processing, sampler, output processing with the detokenizer), the step transport and the
+offline API."""
