@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Protocol
 
 from rtp.errors import RequestError, RtpError, WorkerDiedError
 from rtp.log import get_logger
@@ -28,6 +28,26 @@ from rtp.sampling import SamplingParams
 logger = get_logger(__name__)
 
 _FAILED_JOIN_S = 2.0  # how long stop() waits for the engine thread once the runtime has failed
+
+
+class SyncEngine(Protocol):
+    """What AsyncEngine drives: :class:`rtp.runtime.engine.Engine`, or anything with its request methods.
+
+    ``tokenize`` and ``add_request`` may be called from any thread, ``step`` from one thread at a time.
+    """
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]: ...
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> dict[str, float]: ...
 
 
 class EngineDeadError(RtpError):
@@ -84,13 +104,12 @@ class RequestStream:
 class AsyncEngine:
     """An Engine stepped by its own thread, with per-request async output streams.
 
-    ``engine`` is an :class:`rtp.runtime.engine.Engine` (or an object with the
-    same methods: add_request, abort, step, has_unfinished, stats). Call
-    :meth:`start` once an event loop is about to serve, :meth:`stop` after the
-    last request finished.
+    ``engine`` is a :class:`SyncEngine`. Call :meth:`start` once an event loop
+    is about to serve, :meth:`stop` after the last request finished.
     """
 
-    def __init__(self, engine: Any, idle_wait_s: float = 1.0, step: Callable[[], list] | None = None) -> None:
+    def __init__(self, engine: SyncEngine, idle_wait_s: float = 1.0,
+                 step: Callable[[], list[RequestOutput]] | None = None) -> None:
         self.engine = engine
         # Runtime.step by default in the server: it turns a failed collective into an error naming the dead rank.
         self._step = step  # None: engine.step, looked up at each step
@@ -150,6 +169,10 @@ class AsyncEngine:
         return self._end_all(ServerShuttingDownError(message))
 
     # ---- requests (event loop thread) ----
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """The engine's token ids of ``prompt``, validated (any thread; it blocks for the tokenizer)."""
+        return self.engine.tokenize(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
         """Submit a request and return its output stream.

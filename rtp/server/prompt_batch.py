@@ -25,12 +25,13 @@ from fastapi.responses import JSONResponse, Response
 
 from rtp.outputs import RequestOutput
 from rtp.server.async_engine import RequestStream
+from rtp.server.http_errors import ClientGone, runtime_error
 from rtp.server.protocol import CompletionRequest
 from rtp.server.responses import ResponseBuilder
 from rtp.server.sse import ClosingEventStream
 
 if TYPE_CHECKING:
-    from rtp.server.api import _Api
+    from rtp.server.context import ServerContext
 
 _DONE = "data: [DONE]\n\n"
 
@@ -66,7 +67,7 @@ def _sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def batch_completions(api: _Api, request: Request, req: CompletionRequest) -> Response:
+async def batch_completions(api: ServerContext, request: Request, req: CompletionRequest) -> Response:
     """The response to a /v1/completions request with several prompts (see the module docstring)."""
     prompts = req.prompts()
     constraint = await api.constraint(req.grammar_spec())
@@ -95,19 +96,17 @@ async def batch_completions(api: _Api, request: Request, req: CompletionRequest)
     return JSONResponse(await _collect_all(api, request, streams, counts, builders))
 
 
-async def _collect_all(api: _Api, request: Request, streams: list[RequestStream], counts: list[int],
+async def _collect_all(api: ServerContext, request: Request, streams: list[RequestStream], counts: list[int],
                        builders: list[_PromptBuilder]) -> dict[str, Any]:
-    from rtp.server.api import _ClientGone, _runtime_error
-
     tasks = [asyncio.ensure_future(api.collect(request, s, c)) for s, c in zip(streams, counts)]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
         if failed is not None:
             e = failed.exception()
-            if isinstance(e, _ClientGone):
+            if isinstance(e, ClientGone):
                 raise e
-            raise _runtime_error(e, "prompt") from None  # type: ignore[arg-type]
+            raise runtime_error(e, "prompt") from None  # type: ignore[arg-type]
         outs = [t.result() for t in tasks]
     finally:
         for t in tasks:
@@ -121,8 +120,8 @@ async def _collect_all(api: _Api, request: Request, streams: list[RequestStream]
     return body
 
 
-async def _merged_events(api: _Api, streams: list[RequestStream], counts: list[int], builders: list[_PromptBuilder],
-                         include_usage: bool) -> AsyncIterator[str]:
+async def _merged_events(api: ServerContext, streams: list[RequestStream], counts: list[int],
+                         builders: list[_PromptBuilder], include_usage: bool) -> AsyncIterator[str]:
     """Every prompt's events in the order they come, one usage chunk and one [DONE] at the end."""
     queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
 

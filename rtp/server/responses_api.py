@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -28,12 +28,14 @@ from fastapi.responses import JSONResponse, Response
 from rtp.outputs import RequestOutput
 from rtp.server.async_engine import RequestStream
 from rtp.server.chat_output import ChatOutput, ToolMode
+from rtp.server.http_errors import ClientGone, runtime_error
 from rtp.server.protocol import ApiError, NamedToolChoice
 from rtp.server.responses_protocol import ResponsesRequest
 from rtp.server.sse import ClosingEventStream
+from rtp.server.streaming import Tracker
 
 if TYPE_CHECKING:
-    from rtp.server.api import _Api
+    from rtp.server.context import ServerContext
 
 
 def _id(prefix: str) -> str:
@@ -184,19 +186,8 @@ class ResponseWriter:
         return [*events, self.event(name, response=self.response(status, out, reasoning_tokens))]
 
 
-def route(api: _Api) -> Callable[[Request], Awaitable[Response]]:
-    """The endpoint of POST /v1/responses bound to ``api`` (FastAPI reads its ``request`` parameter)."""
-
-    async def responses(request: Request) -> Response:
-        return await create_response(api, request)
-
-    return responses
-
-
-async def create_response(api: _Api, request: Request) -> Response:
+async def create_response(api: ServerContext, request: Request) -> Response:
     """The handler of POST /v1/responses."""
-    from rtp.server.api import _ClientGone, _runtime_error
-
     req: ResponsesRequest = await api.read_body(request, ResponsesRequest)
     if req.model is not None:
         api.check_model_name(req.model)
@@ -219,26 +210,24 @@ async def create_response(api: _Api, request: Request) -> Response:
         return ClosingEventStream(_events(api, stream, writer), [stream])
     try:
         out = await api.collect(request, stream, len(ids))
-    except _ClientGone:
+    except ClientGone:
         raise
     except Exception as e:  # noqa: BLE001
-        raise _runtime_error(e, "input") from None
+        raise runtime_error(e, "input") from None
     message = output.message(out.text)
     writer.items = writer.items_of(message, writer.status_of(out))
     reasoning_tokens = await _count_tokens(api, message.get("reasoning_content"))
     return JSONResponse(writer.response(writer.status_of(out), out, reasoning_tokens))
 
 
-async def _count_tokens(api: _Api, text: str | None) -> int:
+async def _count_tokens(api: ServerContext, text: str | None) -> int:
     if not text:
         return 0
     return len(await api.off_loop(api.tokenizer.encode, text, add_special_tokens=False))
 
 
-async def _events(api: _Api, stream: RequestStream, writer: ResponseWriter) -> AsyncIterator[str]:
-    from rtp.server.api import _runtime_error, _Tracker
-
-    tracker = _Tracker(api.metrics, writer.num_prompt_tokens)
+async def _events(api: ServerContext, stream: RequestStream, writer: ResponseWriter) -> AsyncIterator[str]:
+    tracker = Tracker(api.metrics, writer.num_prompt_tokens)
     reasoning = ""
     try:
         for event in writer.opening():
@@ -253,7 +242,7 @@ async def _events(api: _Api, stream: RequestStream, writer: ResponseWriter) -> A
                 for event in writer.closing(out, await _count_tokens(api, reasoning)):
                     yield event
     except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
-        err = _runtime_error(e, "input")
+        err = runtime_error(e, "input")
         yield writer.event("error", code=err.code, message=err.message, param=err.param)
     finally:
         stream.close()

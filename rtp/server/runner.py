@@ -14,8 +14,7 @@ import asyncio
 import logging
 import signal
 import socket
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -23,6 +22,9 @@ from rtp.errors import RtpError
 from rtp.log import RtpLogHandler, get_logger
 from rtp.server.api import build_app
 from rtp.server.async_engine import AsyncEngine
+
+if TYPE_CHECKING:
+    from rtp.runtime.coordinator import Runtime
 
 logger = get_logger(__name__)
 
@@ -91,7 +93,7 @@ def _route_uvicorn_logs() -> None:
         log.setLevel(logging.INFO)
 
 
-def run_server(runtime: Any, sock: socket.socket | None = None, access_log: bool = False) -> int:
+def run_server(runtime: Runtime, sock: socket.socket | None = None, access_log: bool = False) -> int:
     """Serve ``runtime`` (rank 0's Runtime) until SIGTERM/SIGINT; returns the exit code (0 after a clean stop).
 
     ``sock`` is a listening socket from :func:`bind_socket`; None binds
@@ -99,9 +101,9 @@ def run_server(runtime: Any, sock: socket.socket | None = None, access_log: bool
     """
     config = runtime.config
     server_cfg = config.server
+    info = runtime.model_info
     engine = AsyncEngine(runtime.engine, step=runtime.step)
-    model_name = server_cfg.served_model_name or Path(runtime.engine.model_dir).name
-    app = build_app(engine, config, model_name)
+    app = build_app(engine, config, info)
     sock = sock if sock is not None else bind_socket(server_cfg.host, server_cfg.port)
     _route_uvicorn_logs()
     uv_config = uvicorn.Config(
@@ -128,7 +130,7 @@ def run_server(runtime: Any, sock: socket.socket | None = None, access_log: bool
     # They stay replaced afterwards: the shutdown is under way by then.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_late_signal)
-    logger.info("model %r (max_model_len=%d), API key %s", model_name, runtime.engine.max_model_len,
+    logger.info("model %r (max_model_len=%d), API key %s", info.name, info.max_model_len,
                 "required" if server_cfg.api_key else "not required")
     try:
         server.run(sockets=[sock])

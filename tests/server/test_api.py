@@ -1,9 +1,9 @@
 """The HTTP API against a fake engine: request mapping, errors, auth, SSE, usage, metrics, disconnects.
 
-The fake implements the Engine interface the server uses (tokenize,
-add_request, abort, step, has_unfinished, stats, tokenizer, max_model_len,
-model_dir) with the real tiny-model tokenizer and a fixed token pattern, so
-every expected text below is computed independently from the tokenizer.
+The fake implements the engine interface the server uses (SyncEngine: tokenize,
+add_request, abort, step, has_unfinished, stats) with the real tiny-model
+tokenizer and a fixed token pattern, so every expected text below is computed
+independently from the tokenizer; :func:`fake_model_info` describes its model.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from rtp.config import load_config
 from rtp.errors import RequestError
 from rtp.outputs import RequestOutput
+from rtp.runtime.model_info import ModelInfo
 from rtp.sampling import SamplingParams
 from rtp.server import AsyncEngine, build_app
 from rtp.testing import default_model_dir
@@ -122,6 +123,12 @@ class FakeEngine:
                 "prefix_query_tokens": 10, "prefix_hit_tokens": 4, "num_preemptions": 0}
 
 
+def fake_model_info(engine: FakeEngine) -> ModelInfo:
+    """The fake's model as the server sees it: the tokenizer's own size and EOS."""
+    tok = engine.tokenizer
+    return ModelInfo(MODEL, tok, len(tok), [tok.eos_token_id], engine.max_model_len)
+
+
 def expected_text(tokenizer, n: int) -> str:
     p = pattern_ids(tokenizer)
     return tokenizer.decode([p[i % len(p)] for i in range(n)])
@@ -131,7 +138,7 @@ def make_app(tokenizer, step_delay_s: float = 0.0, **server):
     engine = FakeEngine(tokenizer, step_delay_s)
     config = load_config(None, server={"max_tokens_limit": 40, "default_max_tokens": 12, **server})
     async_engine = AsyncEngine(engine)
-    return build_app(async_engine, config, MODEL), engine, async_engine
+    return build_app(async_engine, config, fake_model_info(engine)), engine, async_engine
 
 
 @pytest.fixture

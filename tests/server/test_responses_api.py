@@ -60,7 +60,7 @@ def test_plain_text_input_with_instructions(served, tokenizer):
 def test_message_input_with_function_call_history(served, tokenizer):
     client, http, engine = served
     # The tool prompt is longer than the fake's 64-token context: widen it for this test.
-    http.app.state.api.max_model_len = engine.max_model_len = 2048
+    http.app.state.context.max_model_len = engine.max_model_len = 2048
     tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
     items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},

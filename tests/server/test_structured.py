@@ -19,7 +19,7 @@ from rtp.server.api import build_app
 from rtp.server.async_engine import AsyncEngine
 from rtp.structured import GrammarCompileError, GrammarCompiler, GrammarSpec, json_safe_tokens, pack_bitmask
 from rtp.testing import CHAT_TEMPLATE, MARKUP_TOKENS, SPECIAL_TOKENS, default_model_dir
-from tests.server.test_api import MODEL, FakeEngine
+from tests.server.test_api import FakeEngine, fake_model_info
 
 pytest.importorskip("xgrammar")
 
@@ -167,7 +167,7 @@ def served(tokenizer):
     engine = FakeEngine(tokenizer)
     engine.max_model_len = 1024  # room for a tools system prompt
     config = load_config(None, server={"max_tokens_limit": 40, "default_max_tokens": 12})
-    app = build_app(AsyncEngine(engine), config, MODEL)
+    app = build_app(AsyncEngine(engine), config, fake_model_info(engine))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client, engine
 

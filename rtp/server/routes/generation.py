@@ -1,0 +1,83 @@
+"""The generation routes: /v1/completions and /v1/chat/completions (streaming or not)."""
+
+from __future__ import annotations
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+
+from rtp.server.chat_output import ChatOutput, ToolMode
+from rtp.server.context import ServerContext
+from rtp.server.http_errors import guard
+from rtp.server.prompt_batch import batch_completions
+from rtp.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from rtp.server.responses import ResponseBuilder
+from rtp.server.routes.docs import RouteDocs
+from rtp.server.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    error_responses,
+    sse_response,
+)
+
+
+class GenerationRoutes:
+    """Completions and chat completions of one app."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def register(self, app: FastAPI) -> RouteDocs:
+        """Add the routes to ``app``; returns their request bodies for /openapi.json."""
+        auth = [Depends(self.ctx.auth)]
+        generation_errors = error_responses(400, 401, 404, 413, 500, 503)
+        app.add_api_route("/v1/completions", guard(self.completions), methods=["POST"], dependencies=auth,
+                          summary="Create a completion",
+                          responses={200: {"model": CompletionResponse}, **generation_errors},
+                          openapi_extra=sse_response(CompletionResponse))
+        app.add_api_route("/v1/chat/completions", guard(self.chat_completions), methods=["POST"],
+                          dependencies=auth, summary="Create a chat completion",
+                          responses={200: {"model": ChatCompletionResponse}, **generation_errors},
+                          openapi_extra=sse_response(ChatCompletionChunk))
+        return RouteDocs({"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
+                         stream_chunks=(ChatCompletionChunk,))
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        ctx = self.ctx
+        req: CompletionRequest = await ctx.read_body(request, CompletionRequest)
+        ctx.check_model(req)
+        req.check_supported()
+        if len(req.prompts()) > 1:
+            return await batch_completions(ctx, request, req)
+        constraint = await ctx.constraint(req.grammar_spec())
+        stream, ids, rid = await ctx.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt", constraint)
+        build = ResponseBuilder("text_completion", rid, ctx.model_name, ctx.tokenizer, len(ids), req.logprobs)
+        if req.echo:
+            prompt = req.prompt_value()
+            build.echo = prompt if isinstance(prompt, str) else await ctx.off_loop(ctx.tokenizer.decode, prompt)
+        return await ctx.respond(request, req, stream, ids, build)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        ctx = self.ctx
+        req: ChatCompletionRequest = await ctx.read_body(request, ChatCompletionRequest)
+        ctx.check_model(req)
+        req.check_supported()
+        choice = req.effective_tool_choice()
+        auto_ok = ctx.server.enable_auto_tool_choice and ctx.server.tool_call_parser is not None
+        if choice == "auto" and req.tools and not auto_ok:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
+                                '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
+                                '"required" or a named function', "tool_choice")
+        mode: ToolMode = "named" if isinstance(choice, NamedToolChoice) else choice  # type: ignore[assignment]
+        text = await ctx.render_chat(req.conversation(), req.tool_dicts(), req.chat_template_kwargs, True)
+        constraint = await ctx.constraint(req.tool_grammar() or req.grammar_spec())
+        stream, ids, rid = await ctx.submit(req, text, req.num_logprobs(), "chatcmpl", "messages", constraint)
+        output = None
+        if ctx.server.reasoning_parser is not None or mode != "none":
+            output = ChatOutput(reasoning=ctx.server.reasoning_parser is not None, tool_mode=mode,
+                                tool_name=choice.function.name if isinstance(choice, NamedToolChoice) else None)
+        build = ResponseBuilder("chat.completion", rid, ctx.model_name, ctx.tokenizer, len(ids),
+                                req.num_logprobs(), output)
+        return await ctx.respond(request, req, stream, ids, build)
