@@ -281,7 +281,7 @@ class _Steps:
         self.logits: torch.Tensor | None = None  # rank 0: the last step's
 
     def step(self, plan: StepPlan, samples: int) -> str:
-        logits = self.runner.execute(plan)
+        logits = self.runner.execute(plan).sample_logits
         note = _check_logits(logits, self.ps.rank, samples, self.vocab, self.ps.device)
         if logits is not None:
             self.logits = logits

@@ -46,10 +46,6 @@ class BatchInputs:
     context_lens: np.ndarray  # [B] int32: k_lens
     max_seqlen_q: int  # max(q_lens), 0 for an empty batch
     max_seqlen_k: int  # max(k_lens), 0 for an empty batch
-    # Prompt logprobs (plan.prompt_logprob_seq_ids): flat positions of every token of those
-    # sequences' chunks, and one (seq_id, first position, count) span per sequence, in that order.
-    prompt_logit_indices: np.ndarray | None = None  # [P] int64, None when no sequence asks
-    prompt_logit_spans: list[tuple[int, int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -139,26 +135,7 @@ class BatchMirror:
             self._tables = self._append(self._tables, self._num_blocks, c_rows, cached.block_counts, cached.block_ids)
         q_lens = [new.num_new_tokens for new in plan.new_seqs] + cached.num_new_tokens
         seq_ids = [new.seq_id for new in plan.new_seqs] + cached.seq_ids
-        batch = self._flatten(rows, q_lens, seq_ids)
-        if plan.prompt_logprob_seq_ids:
-            self._add_prompt_logit_rows(batch, set(plan.prompt_logprob_seq_ids))
-        return batch
-
-    @staticmethod
-    def _add_prompt_logit_rows(batch: BatchInputs, wanted: set[int]) -> None:
-        """Fill the prompt-logit fields of ``batch`` for the sequences in ``wanted``."""
-        indices: list[np.ndarray] = []
-        spans: list[tuple[int, int, int]] = []
-        ends = batch.cu_seqlens_q[1:]
-        for b, seq_id in enumerate(batch.seq_ids):
-            if seq_id not in wanted:
-                continue
-            q = batch.q_lens[b]
-            first = int(ends[b]) - q  # flat index of the chunk's first token
-            indices.append(np.arange(first, first + q, dtype=np.int64))
-            spans.append((seq_id, int(batch.positions[first]), q))
-        batch.prompt_logit_indices = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64)
-        batch.prompt_logit_spans = spans
+        return self._flatten(rows, q_lens, seq_ids)
 
     def _add(self, new: NewSeq) -> int:
         """Copy a sequence sent in full into a row (its own if it is mirrored already); returns the row."""
