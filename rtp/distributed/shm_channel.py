@@ -66,6 +66,7 @@ _MAGIC = 0x52_54_50_43_48_41_4E_31  # "RTPCHAN1"
 _VERSION = 1
 _LINE = 64  # cache line; every counter array starts on its own line
 _HEADER = struct.Struct("<8Q")  # magic, version, num_readers, chunk_bytes, num_chunks, creator_pid, ready, reserved
+_CREATOR_PID_SLOT = 5  # u64 index of the writer's pid
 _READY_SLOT = 6  # u64 index of the "ready" flag, written last by create()
 # Per-chunk header: total message length, offset of this piece in it, piece number k, then a crc32 of
 # those three fields and the payload.
@@ -336,7 +337,7 @@ class ShmChannel:
     def creator_pid(self) -> int:
         """pid of the process that created the segment (the writer)."""
         self._check_open()
-        return int(self._q[5])
+        return int(self._q[_CREATOR_PID_SLOT])
 
     def peers_alive(self) -> bool:
         """Writer end: every attached reader process exists. Reader end: the writer process exists.
