@@ -36,7 +36,8 @@ import time
 import torch.distributed as dist
 
 from rtp.core.step import CachedSeq, StepPlan, decode, encode
-from rtp.distributed.shm_channel import ShmChannel, make_channel_name
+from rtp.distributed.shm_channel import ShmChannel
+from rtp.distributed.shm_segment import make_segment_name
 from rtp.distributed.step_relay import StepRelay
 
 VOCAB = 151_936  # Qwen3 vocabulary size
@@ -213,8 +214,8 @@ def main() -> None:
     # Safe here because this process has started no threads and touched no accelerator.
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    port, name = _free_port(), make_channel_name()
-    relay_names = (make_channel_name(), make_channel_name())
+    port, name = _free_port(), make_segment_name()
+    relay_names = (make_segment_name(), make_segment_name())
     t0 = time.monotonic()
     procs = [
         ctx.Process(target=_rank_main,

@@ -53,7 +53,8 @@ from transformers import AutoTokenizer
 
 from rtp.config import RtpConfig
 from rtp.core.step import StepPlan, decode, encode
-from rtp.distributed.shm_channel import ShmChannel, make_channel_name
+from rtp.distributed.shm_channel import ShmChannel
+from rtp.distributed.shm_segment import make_segment_name
 from rtp.runtime.batch import BatchMirror
 from rtp.runtime.detokenizer import IncrementalDetokenizer
 from rtp.runtime.engine import Engine
@@ -183,7 +184,7 @@ def run_case(model_dir: Path, num_seqs: int, steps: int, warmup: int, prompt_len
     config = RtpConfig(device="cpu", max_num_seqs=max(num_seqs, 1), max_num_batched_tokens=8192,
                        max_model_len=max_model_len, enable_prefix_caching=True)
     plain_add, plain_flush = IncrementalDetokenizer.add, IncrementalDetokenizer.flush
-    name = make_channel_name("rtpbench_")
+    name = make_segment_name("rtpbench_")
     writer = ShmChannel.create(name, num_readers=1, chunk_bytes=config.shm_chunk_bytes,
                                num_chunks=config.shm_num_chunks)
     reader: ShmChannel | None = None

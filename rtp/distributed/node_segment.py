@@ -7,7 +7,7 @@ over the control group, every rank maps it, and the leader unlinks the name
 as soon as all have: the mappings live on until the processes exit, so a
 crash at any later point leaves nothing in /dev/shm.
 (A crash in the short window before the unlink leaves a ``rtp_<pid>_`` name,
-which :func:`rtp.distributed.shm_channel.cleanup_stale_segments` reaps.)
+which :func:`rtp.distributed.shm_segment.cleanup_stale_segments` reaps.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import _posixshmem
 import mmap
 
-from rtp.distributed.shm_channel import make_channel_name, map_segment
+from rtp.distributed.shm_segment import make_segment_name, map_segment
 from rtp.errors import RtpError
 
 
@@ -29,7 +29,7 @@ def share_segment(ps, size: int, what: str) -> mmap.mmap:  # noqa: ANN001 - a Pa
     name = None
     creator = ps.rank == ps.node_leader
     if creator:
-        name = make_channel_name()
+        name = make_segment_name()
         try:
             mm = map_segment(name, size, create=True, what=f"the {what}")
         except BaseException:

@@ -38,8 +38,9 @@ Lifetime: neither end registers the segment with multiprocessing's
 resource_tracker. (In Python 3.11 a process that merely attaches registers it,
 and its tracker unlinks it with a "leaked" warning when that process exits.)
 The writer owns the segment: the runtime calls :meth:`ShmChannel.unlink` in
-``finally`` and from signal handlers, and :func:`cleanup_stale_segments`
-removes what a killed run left (the creator pid is part of the name).
+``finally`` and from signal handlers, and
+:func:`rtp.distributed.shm_segment.cleanup_stale_segments` removes what a
+killed run left (the creator pid is part of the name).
 """
 
 from __future__ import annotations
@@ -47,8 +48,6 @@ from __future__ import annotations
 import _posixshmem  # the primitive multiprocessing.shared_memory itself is built on
 import mmap
 import os
-import re
-import secrets
 import struct
 import time
 import zlib
@@ -57,6 +56,7 @@ from functools import partial
 from types import TracebackType
 
 from rtp.distributed.pids import pid_alive
+from rtp.distributed.shm_segment import check_segment_name, map_segment
 from rtp.errors import RtpError
 from rtp.log import get_logger
 
@@ -75,7 +75,6 @@ _PIECE_CRC = struct.Struct("<I")
 _PIECE = struct.Struct("<QQQI4x")
 PIECE_HEADER_BYTES = _PIECE.size  # chunk_bytes must exceed this; the rest of a chunk is payload
 _STALE_PIECE_LIMIT_S = 5.0  # a published piece that never checks out is corruption, not a slow CPU
-_SHM_DIR = "/dev/shm"
 
 # Waiting policy: spin (yielding the CPU) for a short while so a step that
 # arrives soon is picked up within microseconds, then sleep with growing
@@ -92,17 +91,6 @@ class ChannelTimeout(RtpError, TimeoutError):
 
 class ChannelAborted(RtpError):
     """A channel wait was interrupted because ``should_abort()`` returned True."""
-
-
-def make_channel_name(prefix: str = "rtp_") -> str:
-    """A fresh segment name, ``<prefix><pid>_<random hex>``, unique per run."""
-    _check_prefix(prefix)
-    return f"{prefix}{os.getpid()}_{secrets.token_hex(6)}"
-
-
-def _check_prefix(prefix: str) -> None:
-    if not prefix or "/" in prefix or not prefix.isprintable():
-        raise ValueError(f"channel name prefix must be a non-empty printable string without '/', got {prefix!r}")
 
 
 def _round_up(n: int) -> int:
@@ -131,12 +119,6 @@ def _check_int(what: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
     return value
-
-
-def _check_name(name: object) -> str:
-    if not isinstance(name, str) or not name or "/" in name or len(name) > 200:
-        raise ValueError(f"channel name must be a non-empty string without '/' (at most 200 chars), got {name!r}")
-    return name
 
 
 class ShmChannel:
@@ -173,7 +155,7 @@ class ShmChannel:
     @classmethod
     def create(cls, name: str, num_readers: int, chunk_bytes: int, num_chunks: int) -> ShmChannel:
         """Create the segment and return its writer end (rank 0). Fails if ``name`` exists."""
-        _check_name(name)
+        check_segment_name(name)
         _check_int("num_readers", num_readers, 1)
         _check_int("num_chunks", num_chunks, 1)
         _check_int(f"chunk_bytes (the {_PIECE.size}-byte piece header plus at least 1 payload byte)",
@@ -191,7 +173,7 @@ class ShmChannel:
     @classmethod
     def attach(cls, name: str, reader_index: int, timeout: float = 30.0) -> ShmChannel:
         """Attach reader ``reader_index`` (rank - 1), waiting up to ``timeout`` s for the writer to create it."""
-        _check_name(name)
+        check_segment_name(name)
         _check_int("reader_index", reader_index, 0)
         deadline = time.monotonic() + timeout
         while True:
@@ -404,31 +386,6 @@ class ShmChannel:
         return f"ShmChannel({self.name!r}, {role}, {lay.num_readers} readers, {lay.num_chunks} x {lay.chunk_bytes} B)"
 
 
-def map_segment(name: str, size: int, create: bool, what: str, remedy: str = "enlarge /dev/shm") -> mmap.mmap:
-    """Map segment ``name`` of ``size`` bytes, creating it (exclusively, zero-filled) if ``create``.
-
-    A segment this call created is unlinked again if mapping it fails (nobody
-    else knows its name yet). ``what`` and ``remedy`` word the error of a full /dev/shm.
-    """
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
-    try:
-        if create:
-            os.ftruncate(fd, size)
-            try:  # reserve the pages now: a full /dev/shm must fail here, not SIGBUS on a later write
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                raise RtpError(f"cannot reserve {size} bytes of shared memory for {what} ({e.strerror}); {remedy}"
-                               ) from None
-        return mmap.mmap(fd, size)
-    except BaseException:
-        if create:
-            _posixshmem.shm_unlink("/" + name)
-        raise
-    finally:
-        os.close(fd)
-
-
 def _try_map(name: str) -> mmap.mmap | None:
     """Map an existing, fully initialised channel segment, or return None if it is not there yet."""
     try:
@@ -446,45 +403,3 @@ def _try_map(name: str) -> mmap.mmap | None:
         mm.close()
         return None
     return mm
-
-
-def remove_segment(name: str) -> bool:
-    """Unlink segment ``name`` whoever created it; False if it was already gone.
-
-    For a reader whose writer was lost (killed because it hung): the writer
-    can no longer unlink its own segment, and it may not be reaped yet, so
-    :func:`cleanup_stale_segments` would still see its pid alive.
-    """
-    try:
-        _posixshmem.shm_unlink("/" + _check_name(name))
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def cleanup_stale_segments(prefix: str = "rtp_") -> list[str]:
-    """Unlink ``<prefix><pid>_<hex>`` segments in /dev/shm whose creator pid is dead; return their names.
-
-    Segments of live processes, of other naming schemes, and ones we may not
-    remove are left alone. Each removal is logged as a warning.
-    """
-    _check_prefix(prefix)
-    if not os.path.isdir(_SHM_DIR):
-        return []
-    pattern = re.compile(re.escape(prefix) + r"(\d+)_[0-9a-f]+")
-    removed = []
-    for entry in sorted(os.listdir(_SHM_DIR)):
-        match = pattern.fullmatch(entry)
-        if match is None or pid_alive(int(match.group(1))):
-            continue
-        try:
-            _posixshmem.shm_unlink("/" + entry)
-        except FileNotFoundError:
-            continue  # removed concurrently
-        except PermissionError:
-            logger.warning("stale shared-memory segment %s/%s belongs to another user; not removed", _SHM_DIR, entry)
-            continue
-        logger.warning("removed stale shared-memory segment %s/%s (creator pid %s is gone)",
-                       _SHM_DIR, entry, match.group(1))
-        removed.append(entry)
-    return removed

@@ -31,7 +31,8 @@ from rtp.distributed import shm_allreduce
 from rtp.distributed.heartbeat import Heartbeat, HeartbeatRelay, interval_for
 from rtp.distributed.liveness import Failure, Watchdog, kill_hung
 from rtp.distributed.parallel import ParallelState
-from rtp.distributed.shm_channel import ShmChannel, cleanup_stale_segments, make_channel_name
+from rtp.distributed.shm_channel import ShmChannel
+from rtp.distributed.shm_segment import cleanup_stale_segments, make_segment_name
 from rtp.distributed.step_relay import StepRelay
 from rtp.errors import RtpError
 from rtp.log import get_logger, setup_logging
@@ -152,7 +153,7 @@ def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int
     if leader and num_local > 1:
         try:
             cleanup_stale_segments()  # segments of crashed runs: removed, each one logged
-            channel = ShmChannel.create(make_channel_name(), num_local - 1, config.shm_chunk_bytes,
+            channel = ShmChannel.create(make_segment_name(), num_local - 1, config.shm_chunk_bytes,
                                         config.shm_num_chunks)
         except BaseException:
             ps.node_broadcast_object("")  # tell the node's workers waiting for the name to give up

@@ -17,7 +17,8 @@ from rtp.distributed.heartbeat import Heartbeat
 from rtp.distributed.liveness import Failure, Watchdog, kill_hung
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.pids import pid_alive
-from rtp.distributed.shm_channel import ShmChannel, cleanup_stale_segments, remove_segment
+from rtp.distributed.shm_channel import ShmChannel
+from rtp.distributed.shm_segment import cleanup_stale_segments, remove_segment
 from rtp.distributed.step_relay import StepRelay
 from rtp.log import get_logger
 from rtp.runtime.fault_injection import StepDelay

@@ -18,7 +18,7 @@ import pytest
 
 from rtp.distributed.heartbeat import Heartbeat
 from rtp.distributed.liveness import PARENT_DEATH_SIGNAL, Failure, Watchdog, kill_hung, pid_alive
-from rtp.distributed.shm_channel import make_channel_name, map_segment
+from rtp.distributed.shm_segment import make_segment_name, map_segment
 from tests.utils import REPO
 
 TIMEOUT_S = 1.5  # liveness timeout of these tests (short, with room for a loaded machine)
@@ -29,7 +29,7 @@ INTERVAL_S = 0.05  # heartbeat interval
 PEER = """
 import sys, time
 from rtp.distributed.heartbeat import Heartbeat
-from rtp.distributed.shm_channel import map_segment
+from rtp.distributed.shm_segment import map_segment
 name, mode = sys.argv[1], sys.argv[2]
 hb = Heartbeat(map_segment(name, Heartbeat.region_bytes(2), create=False, what="test"), 1, 2, {interval}, {timeout})
 hb.start()
@@ -45,7 +45,7 @@ class Peer:
     """Rank 0's end of a two-rank heartbeat region, with rank 1 in a subprocess."""
 
     def __init__(self, mode: str = "beat") -> None:
-        name = make_channel_name()
+        name = make_segment_name()
         mm = map_segment(name, Heartbeat.region_bytes(2), create=True, what="test")
         self.hb = Heartbeat(mm, 0, 2, INTERVAL_S, TIMEOUT_S)
         self.proc = subprocess.Popen([sys.executable, "-c", PEER, name, mode], cwd=REPO, stdout=subprocess.PIPE,

@@ -33,7 +33,7 @@ import torch
 import yaml
 
 from rtp.distributed.pids import pid_alive
-from rtp.distributed.shm_channel import remove_segment
+from rtp.distributed.shm_segment import remove_segment
 from rtp.testing import default_model_dir
 from tests.utils import REPO, hf_greedy, rank_pids, torchrun
 

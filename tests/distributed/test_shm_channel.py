@@ -24,9 +24,8 @@ from rtp.distributed.shm_channel import (
     ChannelAborted,
     ChannelTimeout,
     ShmChannel,
-    cleanup_stale_segments,
-    make_channel_name,
 )
+from rtp.distributed.shm_segment import cleanup_stale_segments, make_segment_name
 from rtp.errors import RtpError
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,7 +117,7 @@ def _check_readers(out: list[tuple], expected_digest: str) -> None:
 
 
 def test_100k_messages_through_a_tiny_ring(prefix: str) -> None:
-    name, chunk, count, readers = make_channel_name(prefix), 4096, 100_000, 3
+    name, chunk, count, readers = make_segment_name(prefix), 4096, 100_000, 3
     results = CTX.Queue()
     with ShmChannel.create(name, num_readers=readers, chunk_bytes=chunk, num_chunks=2) as w:
         procs = [CTX.Process(target=_reader_main, args=(name, i, 7, count, chunk, results)) for i in range(readers)]
@@ -130,7 +129,7 @@ def test_100k_messages_through_a_tiny_ring(prefix: str) -> None:
 
 
 def test_slow_reader_never_loses_a_message(prefix: str) -> None:
-    name, chunk, count = make_channel_name(prefix), 256, 1500
+    name, chunk, count = make_segment_name(prefix), 256, 1500
     results = CTX.Queue()
     with ShmChannel.create(name, num_readers=2, chunk_bytes=chunk, num_chunks=2) as w:
         procs = [
@@ -152,7 +151,7 @@ def _writer_main(ch: ShmChannel, seed: int, count: int, chunk: int, results) -> 
 
 def test_two_channels_in_parallel(prefix: str) -> None:
     chunk, count = 512, 3000
-    names = [make_channel_name(prefix), make_channel_name(prefix)]
+    names = [make_segment_name(prefix), make_segment_name(prefix)]
     assert names[0] != names[1]
     writers = [ShmChannel.create(n, num_readers=1, chunk_bytes=chunk, num_chunks=3) for n in names]
     try:
@@ -188,7 +187,7 @@ def test_message_sizes_from_zero_to_many_rings(prefix: str, num_chunks: int, chu
     sizes = [0, 1, cap - 1, cap, cap + 1, 2 * cap, ring, 10 * ring + 3, 0, 5]
     rng = random.Random(chunk_bytes * 10 + num_chunks)
     msgs = [rng.randbytes(max(s, 0)) for s in sizes]
-    name = make_channel_name(prefix)
+    name = make_segment_name(prefix)
     with ShmChannel.create(name, num_readers=2, chunk_bytes=chunk_bytes, num_chunks=num_chunks) as w:
         readers = [ShmChannel.attach(name, i, timeout=5) for i in range(2)]
         got: list[list[bytes]] = [[], []]
@@ -222,7 +221,7 @@ def _publish_counter_early(w: ShmChannel, msg: bytes, delay: float) -> None:
 
 
 def test_reader_waits_for_data_published_after_its_counter(prefix: str) -> None:
-    name = make_channel_name(prefix)
+    name = make_segment_name(prefix)
     with ShmChannel.create(name, num_readers=1, chunk_bytes=128, num_chunks=1) as w:
         r = ShmChannel.attach(name, 0)
         w.write(b"first")
@@ -239,7 +238,7 @@ def test_reader_waits_for_data_published_after_its_counter(prefix: str) -> None:
 
 def test_piece_that_never_checks_out_is_reported(prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_channel, "_STALE_PIECE_LIMIT_S", 0.1)
-    name = make_channel_name(prefix)
+    name = make_segment_name(prefix)
     with ShmChannel.create(name, num_readers=1, chunk_bytes=128, num_chunks=2) as w:
         r = ShmChannel.attach(name, 0)
         _publish_counter_early(w, b"never arrives", delay=-1)
@@ -252,7 +251,7 @@ def test_piece_that_never_checks_out_is_reported(prefix: str, monkeypatch: pytes
 
 
 def test_reader_timeout_and_abort(prefix: str) -> None:
-    name = make_channel_name(prefix)
+    name = make_segment_name(prefix)
     with ShmChannel.create(name, num_readers=1, chunk_bytes=64, num_chunks=2) as w:
         r = ShmChannel.attach(name, 0)
         t0 = time.monotonic()
@@ -280,7 +279,7 @@ def _attach_and_exit(name: str) -> None:
 
 
 def test_writer_blocked_by_dead_reader(prefix: str) -> None:
-    name = make_channel_name(prefix)
+    name = make_segment_name(prefix)
     with ShmChannel.create(name, num_readers=1, chunk_bytes=64, num_chunks=2) as w:
         reader = CTX.Process(target=_attach_and_exit, args=(name,))
         reader.start()
@@ -298,7 +297,7 @@ def test_writer_blocked_by_dead_reader(prefix: str) -> None:
         # Interrupted before its first piece: still usable. Interrupted mid-message: broken, says so.
         with pytest.raises(ChannelTimeout):
             w.write(b"c", timeout=0.05)
-    name = make_channel_name(prefix)
+    name = make_segment_name(prefix)
     with ShmChannel.create(name, num_readers=1, chunk_bytes=64, num_chunks=2) as w:
         with pytest.raises(ChannelTimeout):
             w.write(bytes(200), timeout=0.1)  # 2 pieces fit, the 3rd blocks
@@ -318,7 +317,7 @@ def _idle_reader(name: str, results) -> None:
 
 
 def test_idle_reader_barely_uses_cpu(prefix: str) -> None:
-    name = make_channel_name(prefix)
+    name = make_segment_name(prefix)
     results = CTX.Queue()
     with ShmChannel.create(name, num_readers=1, chunk_bytes=64, num_chunks=2):
         p = CTX.Process(target=_idle_reader, args=(name, results))
@@ -339,11 +338,11 @@ def test_stale_segment_cleanup(prefix: str, caplog: pytest.LogCaptureFixture) ->
                                   capture_output=True, text=True, check=True).stdout)
     stale_name = f"{prefix}{dead_pid}_{secrets.token_hex(6)}"
     stale = ShmChannel.create(stale_name, num_readers=1, chunk_bytes=64, num_chunks=1)
-    live = ShmChannel.create(make_channel_name(prefix), num_readers=1, chunk_bytes=64, num_chunks=1)
+    live = ShmChannel.create(make_segment_name(prefix), num_readers=1, chunk_bytes=64, num_chunks=1)
     other = SHM / f"{prefix}not_our_scheme"
     other.write_bytes(b"x")
     try:
-        with caplog.at_level(logging.WARNING, logger="rtp.distributed.shm_channel"):
+        with caplog.at_level(logging.WARNING, logger="rtp.distributed.shm_segment"):
             removed = cleanup_stale_segments(prefix)
         assert removed == [stale_name]
         assert not (SHM / stale_name).exists()
@@ -361,7 +360,7 @@ def test_stale_segment_cleanup(prefix: str, caplog: pytest.LogCaptureFixture) ->
 def test_separate_reader_process_does_not_unlink_or_warn(prefix: str) -> None:
     # A reader in its own interpreter has its own resource_tracker: had attach() registered the
     # segment, that tracker would unlink it and warn about a leak when the reader exits.
-    name = make_channel_name(prefix)
+    name = make_segment_name(prefix)
     code = textwrap.dedent(f"""
         from rtp.distributed.shm_channel import ShmChannel
         ch = ShmChannel.attach({name!r}, 0, timeout=20)
@@ -387,7 +386,7 @@ def _child_unlinks(ch: ShmChannel) -> None:
 
 
 def test_context_manager_and_forked_copy_unlink(prefix: str) -> None:
-    name = make_channel_name(prefix)
+    name = make_segment_name(prefix)
     with ShmChannel.create(name, num_readers=1, chunk_bytes=64, num_chunks=2) as w:
         p = CTX.Process(target=_child_unlinks, args=(w,))
         p.start()
@@ -401,7 +400,7 @@ def test_context_manager_and_forked_copy_unlink(prefix: str) -> None:
 
 
 def test_argument_validation_and_roles(prefix: str) -> None:
-    name = make_channel_name(prefix)
+    name = make_segment_name(prefix)
     assert name.startswith(f"{prefix}{os.getpid()}_")
     for kwargs in (
         dict(num_readers=0, chunk_bytes=64, num_chunks=2),
@@ -415,9 +414,9 @@ def test_argument_validation_and_roles(prefix: str) -> None:
     with pytest.raises(ValueError):
         ShmChannel.create("a/b", num_readers=1, chunk_bytes=64, num_chunks=2)
     with pytest.raises(ValueError):
-        make_channel_name("bad/prefix")
+        make_segment_name("bad/prefix")
     with pytest.raises(ChannelTimeout):
-        ShmChannel.attach(make_channel_name(prefix), 0, timeout=0.1)
+        ShmChannel.attach(make_segment_name(prefix), 0, timeout=0.1)
     with ShmChannel.create(name, num_readers=2, chunk_bytes=64, num_chunks=2) as w:
         with pytest.raises(FileExistsError):
             ShmChannel.create(name, num_readers=2, chunk_bytes=64, num_chunks=2)
