@@ -10,6 +10,7 @@ from pathlib import Path
 from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec
 
 REPO = Path(__file__).resolve().parent.parent
+WORKERS = REPO / "tests" / "workers"  # the scripts that tests run under torchrun (one process per rank)
 
 # Shapes the numerical tests run on; together they cover the TP corner cases.
 SHAPES: dict[str, TinyQwen3Spec] = {

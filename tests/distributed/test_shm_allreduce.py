@@ -7,9 +7,9 @@ import re
 import pytest
 
 from rtp.distributed import shm_allreduce
-from tests.utils import REPO, torchrun
+from tests.utils import WORKERS, torchrun
 
-WORKER = REPO / "tests" / "distributed" / "allreduce_worker.py"
+WORKER = WORKERS / "shm_allreduce.py"
 
 pytestmark = pytest.mark.skipif(not shm_allreduce.supported(), reason="needs x86-64 store ordering")
 

@@ -3,16 +3,15 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.utils import REPO
+from tests.utils import REPO, WORKERS
 
 
 @pytest.mark.timeout(300)
 def test_generate_api_forms_and_bookkeeping():
-    script = Path(__file__).with_name("api_worker.py")
+    script = WORKERS / "offline_api.py"
     proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=280,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-4000:]

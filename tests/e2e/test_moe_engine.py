@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from rtp.testing import make_tiny_qwen3
-from tests.utils import MOE_SHAPES, hf_greedy, torchrun
+from tests.utils import MOE_SHAPES, WORKERS, hf_greedy, torchrun
 
-PREFIX_WORKER = Path(__file__).with_name("prefix_worker.py")
+PREFIX_WORKER = WORKERS / "prefix_cache.py"
 pytestmark = pytest.mark.slow
 
 

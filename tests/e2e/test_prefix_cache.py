@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from rtp.testing import default_model_dir
-from tests.utils import hf_greedy, torchrun
+from tests.utils import WORKERS, hf_greedy, torchrun
 
-WORKER = Path(__file__).with_name("prefix_worker.py")
+WORKER = WORKERS / "prefix_cache.py"
 
 
 @pytest.mark.slow

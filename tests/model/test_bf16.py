@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from rtp.assets import trained_model_dir
 from rtp.distributed.parallel import ParallelState
 from rtp.testing import make_tiny_qwen3
-from tests.model.tp_worker import run_model
 from tests.utils import SHAPES, hf_greedy
+from tests.workers.model_tp import run_model
 
 STEPS = 24
 RANDOM = ("default", "odd_vocab_untied_sharded")

@@ -16,10 +16,10 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from rtp.testing import make_tiny_qwen3
-from tests.utils import MOE_SHAPES, hf_greedy, torchrun
+from tests.utils import MOE_SHAPES, WORKERS, hf_greedy, torchrun
 
 STEPS = 32
-WORKER = Path(__file__).with_name("tp_worker.py")
+WORKER = WORKERS / "model_tp.py"
 VOCAB = 512
 assert all(s.vocab_size == VOCAB for s in MOE_SHAPES.values()), "one prompt set for every shape"
 

@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rtp.testing import make_tiny_qwen3
-from tests.utils import SHAPES, hf_greedy, torchrun
+from tests.utils import SHAPES, WORKERS, hf_greedy, torchrun
 
 STEPS = 32
-WORKER = Path(__file__).with_name("tp_worker.py")
+WORKER = WORKERS / "model_tp.py"
 
 
 def make_prompts(vocab: int) -> list[list[int]]:
