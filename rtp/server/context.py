@@ -28,9 +28,18 @@ from rtp.outputs import RequestOutput
 from rtp.runtime.model_info import ModelInfo
 from rtp.server import streaming
 from rtp.server.async_engine import AsyncEngine, RequestStream
+from rtp.server.chat_output import ToolMode
 from rtp.server.http_errors import ClientGone, param_of, runtime_error
 from rtp.server.metrics import ServerMetrics
-from rtp.server.protocol import TEMPLATE_RESERVED, ApiError, CommonRequest, resolve_max_tokens, unsupported_hint
+from rtp.server.protocol import (
+    TEMPLATE_RESERVED,
+    ApiError,
+    ChatCompletionRequest,
+    CommonRequest,
+    NamedToolChoice,
+    resolve_max_tokens,
+    unsupported_hint,
+)
 from rtp.server.responses import ResponseBuilder
 from rtp.structured import GrammarCompileError, GrammarCompiler, GrammarSpec, StructuredOutputsUnavailable
 
@@ -158,6 +167,19 @@ class ServerContext:
             return self.engine.add_request(ids, params, rid), ids, rid
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
             raise runtime_error(e, prompt_param) from None
+
+    def tool_mode(self, req: ChatCompletionRequest) -> tuple[ToolMode, str | None]:
+        """How a chat request's output is parsed for tool calls, and the function it names (if any);
+        400 for tool_choice "auto" on a server that cannot parse tool calls."""
+        choice = req.effective_tool_choice()
+        auto_ok = self.server.enable_auto_tool_choice and self.server.tool_call_parser is not None
+        if choice == "auto" and req.tools and not auto_ok:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
+                                '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
+                                '"required" or a named function', "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            return "named", choice.function.name
+        return choice, None  # type: ignore[return-value]  # "none", "auto" or "required"
 
     async def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                           kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> str:

@@ -27,9 +27,8 @@ from fastapi.responses import JSONResponse, Response
 
 from rtp.outputs import RequestOutput
 from rtp.server.async_engine import RequestStream
-from rtp.server.chat_output import ChatOutput, ToolMode
+from rtp.server.chat_output import ChatOutput
 from rtp.server.http_errors import ClientGone, runtime_error
-from rtp.server.protocol import ApiError, NamedToolChoice
 from rtp.server.responses_protocol import ResponsesRequest
 from rtp.server.sse import ClosingEventStream
 from rtp.server.streaming import Tracker
@@ -193,18 +192,11 @@ async def create_response(api: ServerContext, request: Request) -> Response:
         api.check_model_name(req.model)
     chat = req.to_chat()
     chat.check_supported()
-    choice = chat.effective_tool_choice()
-    auto_ok = api.server.enable_auto_tool_choice and api.server.tool_call_parser is not None
-    if choice == "auto" and chat.tools and not auto_ok:
-        raise ApiError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
-                            '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
-                            '"required" or a named function', "tool_choice")
-    mode: ToolMode = "named" if isinstance(choice, NamedToolChoice) else choice  # type: ignore[assignment]
+    mode, tool_name = api.tool_mode(chat)
     text = await api.render_chat(chat.conversation(), chat.tool_dicts(), chat.chat_template_kwargs, True)
     constraint = await api.constraint(chat.tool_grammar() or chat.grammar_spec())
     stream, ids, _ = await api.submit(chat, text, None, "resp", "input", constraint)
-    output = ChatOutput(reasoning=api.server.reasoning_parser is not None, tool_mode=mode,
-                        tool_name=choice.function.name if isinstance(choice, NamedToolChoice) else None)
+    output = ChatOutput(reasoning=api.server.reasoning_parser is not None, tool_mode=mode, tool_name=tool_name)
     writer = ResponseWriter(req, _id("resp"), api.model_name, len(ids), output)
     if req.stream:
         return ClosingEventStream(_events(api, stream, writer), [stream])

@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from rtp.server.chat_output import ChatOutput, ToolMode
+from rtp.server.chat_output import ChatOutput
 from rtp.server.context import ServerContext
 from rtp.server.http_errors import guard
 from rtp.server.prompt_batch import batch_completions
-from rtp.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from rtp.server.protocol import ChatCompletionRequest, CompletionRequest
 from rtp.server.responses import ResponseBuilder
 from rtp.server.routes.docs import RouteDocs
 from rtp.server.schemas import (
@@ -64,20 +64,14 @@ class GenerationRoutes:
         req: ChatCompletionRequest = await ctx.read_body(request, ChatCompletionRequest)
         ctx.check_model(req)
         req.check_supported()
-        choice = req.effective_tool_choice()
-        auto_ok = ctx.server.enable_auto_tool_choice and ctx.server.tool_call_parser is not None
-        if choice == "auto" and req.tools and not auto_ok:
-            raise ApiError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
-                                '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
-                                '"required" or a named function', "tool_choice")
-        mode: ToolMode = "named" if isinstance(choice, NamedToolChoice) else choice  # type: ignore[assignment]
+        mode, tool_name = ctx.tool_mode(req)
         text = await ctx.render_chat(req.conversation(), req.tool_dicts(), req.chat_template_kwargs, True)
         constraint = await ctx.constraint(req.tool_grammar() or req.grammar_spec())
         stream, ids, rid = await ctx.submit(req, text, req.num_logprobs(), "chatcmpl", "messages", constraint)
         output = None
         if ctx.server.reasoning_parser is not None or mode != "none":
             output = ChatOutput(reasoning=ctx.server.reasoning_parser is not None, tool_mode=mode,
-                                tool_name=choice.function.name if isinstance(choice, NamedToolChoice) else None)
+                                tool_name=tool_name)
         build = ResponseBuilder("chat.completion", rid, ctx.model_name, ctx.tokenizer, len(ids),
                                 req.num_logprobs(), output)
         return await ctx.respond(request, req, stream, ids, build)
