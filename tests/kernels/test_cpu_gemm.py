@@ -11,7 +11,9 @@ from rtp.kernels import cpu_gemm
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C++ compiler: the kernel cannot be built")
 
 
-@pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (6, 64, 256), (7, 33, 300), (13, 100, 513), (40, 48, 1024)])
+# 500 rows: row blocks of 240 + 240 + 20.
+@pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (6, 64, 256), (7, 33, 300), (13, 100, 513), (40, 48, 1024),
+                                             (500, 40, 70)])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 def test_gemm_matches_float64_linear(rows: int, out_f: int, in_f: int, weight_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_f)
