@@ -192,21 +192,22 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     head holds less than ``top_p`` are sorted whole.
     """
 
-    def threshold(sorted_probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    def threshold(sorted_probs: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the boundary token's probability, the mass of ``sorted_probs``), each ``[rows, 1]``."""
         # Mass of the tokens sorted before each one (exclusive cumsum). A token is needed while that
         # mass is still below top_p; this keeps the boundary token that makes the sum reach top_p.
         cum = sorted_probs.cumsum(dim=-1)
         before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
         num_keep = (before < p).sum(dim=-1, keepdim=True).clamp_min(1)  # [rows, 1]
-        return sorted_probs.gather(1, num_keep - 1)  # kept by value: ties with the boundary stay
+        return sorted_probs.gather(1, num_keep - 1), cum[:, -1:]  # kept by value: ties with the boundary stay
 
     head = torch.topk(probs, min(TOP_P_HEAD, probs.shape[1]), dim=-1).values  # [rows, head], descending
-    result = threshold(head, top_p)
-    short = (head.cumsum(dim=-1)[:, -1:] < top_p)[:, 0]  # the boundary lies past the head
+    result, head_mass = threshold(head, top_p)
+    short = (head_mass < top_p)[:, 0]  # the boundary lies past the head
     if head.shape[1] < probs.shape[1] and bool(short.any()):
         rows = short.nonzero()[:, 0]
         full = torch.sort(probs.index_select(0, rows), dim=-1, descending=True).values
-        result = result.index_put((rows,), threshold(full, top_p.index_select(0, rows)))
+        result = result.index_put((rows,), threshold(full, top_p.index_select(0, rows))[0])
     return result
 
 
