@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from rtp.kernels import cpu_ops
 from rtp.kernels.op_checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -118,8 +119,25 @@ def _store_kv_fake(
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store K/V into the paged cache: the ``rtp::store_kv`` op on CUDA (graph-capturable), the reference on CPU."""
+    """Store K/V into the paged cache: the ``rtp::store_kv`` op on CUDA (graph-capturable), C++ on CPU."""
     if key.is_cuda:
         torch.ops.rtp.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    elif _fits_cpu_kernel(key, value, k_cache, v_cache):
+        cpu_ops.store_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _fits_cpu_kernel(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C++ copy serves these: CPU tensors of one dtype, shapes that fit, contiguous heads and caches.
+
+    Anything else takes the reference, which raises its own error for arguments that do not fit. The kernel
+    checks each slot against the cache's size.
+    """
+    if key.device.type != "cpu" or key.dim() != 3 or k_cache.dim() != 4 or not cpu_ops.available():
+        return False
+    head_dim = key.shape[-1]
+    return (value.shape == key.shape and key.shape[1:] == k_cache.shape[2:] and v_cache.shape == k_cache.shape
+            and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+            and all(t.stride(-1) == 1 and t.stride(1) == head_dim for t in (key, value))
+            and k_cache.is_contiguous() and v_cache.is_contiguous())

@@ -1,4 +1,8 @@
-"""Small elementwise building blocks: RMSNorm, SiLU-and-mul, rotary embedding."""
+"""Small elementwise building blocks: RMSNorm, SiLU-and-mul, rotary embedding.
+
+On CPU (where :mod:`rtp.kernels.cpu_ops` builds) each runs as one fused C++ pass;
+the torch code below is the reference for it and the path everywhere else.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtp.errors import ModelShapeError
+from rtp.kernels import cpu_ops
+
+
+def _on_cpu(x: torch.Tensor) -> bool:
+    """True where the fused CPU kernels serve ``x`` (a CPU tensor, and the kernels built)."""
+    return x.device.type == "cpu" and cpu_ops.available()
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +29,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if _on_cpu(x) and x.stride(-1) == 1 and (self.weight.dtype == dtype or self.weight.dtype == torch.float32):
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch computation (what the CPU kernel matches)."""
+        dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same numbers
         x32 = x.float()
@@ -30,6 +47,13 @@ class SiluAndMul(nn.Module):
     """``silu(gate) * up`` where the input is ``[..., 2 * d]`` = gate ‖ up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _on_cpu(x) and x.dim() == 2 and x.stride(-1) == 1:
+            return cpu_ops.silu_and_mul(x)
+        return self.reference(x)
+
+    @staticmethod
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        """The torch computation (what the CPU kernel matches)."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -85,6 +109,16 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                 rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of ``q [T, Hq, D]`` and ``k [T, Hkv, D]``, then the rotary embedding."""
+    if (_on_cpu(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and q_norm.weight.dtype == q.dtype
+            and k_norm.weight.dtype == q.dtype and rotary.cos.dtype == torch.float32):
+        return cpu_ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, rotary.cos, rotary.sin, positions,
+                                    q_norm.eps)
+    return rotary(positions, q_norm.reference(q), k_norm.reference(k))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

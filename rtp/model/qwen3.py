@@ -13,7 +13,7 @@ from rtp.errors import ModelShapeError
 from rtp.model.attention import AttnMetadata, PagedAttention
 from rtp.model.embedding import ParallelLMHead, VocabParallelEmbedding
 from rtp.model.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, divide
-from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, rope_inv_freq
+from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, qk_norm_rope, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,8 @@ class Qwen3Attention(nn.Module):
         # x: [T, hidden] -> [T, hidden]
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, d))  # [T, Hq, D]
-        k = self.k_norm(k.view(t, self.num_kv_heads, d))  # [T, Hkv, D]
-        q, k = self.rotary(positions, q, k)
+        q, k = qk_norm_rope(positions, q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
+                            self.q_norm, self.k_norm, self.rotary)  # [T, Hq, D], [T, Hkv, D]
         o = self.attn(q, k, v.view(t, self.num_kv_heads, d), meta)  # [T, Hq, D]
         return self.o_proj(o.flatten(1))
 

@@ -1,0 +1,357 @@
+"""Fused elementwise layer ops for CPUs: RMSNorm, per-head norm + RoPE, SiLU-and-mul, KV store.
+
+On CPU each of these is a chain of small torch ops at decode shapes (a few dozen
+rows): Qwen3's per-head q/k norm and rotary embedding alone are ~20 ops a layer
+(norm, gather of cos/sin, chunk, four multiplies, cat, casts), and storing K/V
+through boolean-mask indexing is five more. Each op costs a dispatch, an output
+allocation and a pass over memory; at the 40M bench model's decode shape they
+added up to ~8 ms of a ~40 ms step. Each function here is one pass in C++.
+
+They compute what the torch code in :mod:`rtp.model.ops` and
+:func:`rtp.kernels.kv_store.store_kv_reference` compute, in the same order of
+roundings: fp32 arithmetic, and for 16-bit activations the same intermediate
+roundings to the activation dtype as HF's Qwen3 (the normalised value is rounded
+before the weight multiplies it; the SiLU is rounded before the multiply). The
+torch code stays the reference the tests compare against, and the path for
+CUDA and for machines where the kernel does not build (:func:`available`).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from rtp.kernels.cpu_build import build
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline float to_f(float v) { return v; }
+static inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+static inline float to_f(at::Half v) { return static_cast<float>(v); }
+template <typename T> static inline T from_f(float v) { return static_cast<T>(v); }  // round to nearest even
+// The value a float takes once stored in T (identity for float): HF rounds some intermediates this way.
+template <typename T> static inline float round_to(float v) { return to_f(from_f<T>(v)); }
+
+// 1 / sqrt(mean(x^2) + eps) over n values, with eight partial sums (a loop the compiler vectorises).
+template <typename T>
+static inline float inv_rms(const T* x, int64_t n, float eps) {
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) { const float v = to_f(x[i + j]); part[j] += v * v; }
+  float ss = 0.f;
+  for (int j = 0; j < 8; ++j) ss += part[j];
+  for (; i < n; ++i) { const float v = to_f(x[i]); ss += v * v; }
+  return 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+}
+
+// y = w * round_T(x * r): HF's Qwen3RMSNorm (for fp32 the rounding is the identity).
+template <typename T, typename W>
+static inline void norm_row(const T* x, const W* w, float* y, int64_t n, float eps) {
+  const float r = inv_rms(x, n, eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = to_f(w[i]) * round_to<T>(to_f(x[i]) * r);
+}
+
+// A [T] int32 or int64 index tensor (contiguous), read as int64.
+struct Index {
+  const int32_t* i32 = nullptr;
+  const int64_t* i64 = nullptr;
+  explicit Index(const torch::Tensor& t) {
+    TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
+                "index tensors must be 1-D contiguous int32 or int64");
+    if (t.scalar_type() == at::kInt) i32 = t.data_ptr<int32_t>(); else i64 = t.data_ptr<int64_t>();
+  }
+  int64_t operator[](int64_t j) const { return i64 != nullptr ? i64[j] : i32[j]; }
+};
+
+// Rows per task: below ~16K elements a second thread costs more than it saves.
+static inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+template <typename T, typename W>
+static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const W* wp = w.data_ptr<W>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(n);
+    for (int64_t r = b; r < e; ++r) {
+      norm_row(xp + r * ldx, wp, tmp.data(), n, eps);
+      for (int64_t i = 0; i < n; ++i) yp[r * n + i] = from_f<T>(tmp[i]);
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  // x: [T, n] (rows may be strided; last dim contiguous); w: [n] -> [T, n] contiguous, x's dtype.
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
+              "rms_norm: x must be [T, n] with a contiguous last dim and w [n]");
+  auto y = torch::empty({x.size(0), x.size(1)}, x.options());
+  pybind11::gil_scoped_release no_gil;
+  const auto xt = x.scalar_type(), wt = w.scalar_type();
+  if (xt == at::kFloat && wt == at::kFloat) rms_norm_impl<float, float>(x, w, y, (float)eps);
+  else if (xt == at::kBFloat16 && wt == at::kBFloat16) rms_norm_impl<at::BFloat16, at::BFloat16>(x, w, y, (float)eps);
+  else if (xt == at::kBFloat16 && wt == at::kFloat) rms_norm_impl<at::BFloat16, float>(x, w, y, (float)eps);
+  else if (xt == at::kHalf && wt == at::kHalf) rms_norm_impl<at::Half, at::Half>(x, w, y, (float)eps);
+  else TORCH_CHECK(false, "rms_norm: unsupported dtypes");
+  return y;
+}
+
+// One head: y = rope(round_T(norm(x))), rotate-half layout; cos/sin rows of D/2 values (fp32).
+template <typename T, typename W>
+static inline void head_norm_rope(const T* x, const W* w, const float* c, const float* s, T* y, int64_t d,
+                                  float eps, float* tmp) {
+  norm_row(x, w, tmp, d, eps);
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float x1 = round_to<T>(tmp[i]), x2 = round_to<T>(tmp[i + h]);
+    y[i] = from_f<T>(x1 * c[i] - x2 * s[i]);
+    y[i + h] = from_f<T>(x2 * c[i] + x1 * s[i]);
+  }
+}
+
+template <typename T, typename W>
+static void qk_norm_rope_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& wq,
+                              const torch::Tensor& wk, const torch::Tensor& cos, const torch::Tensor& sin,
+                              const torch::Tensor& pos, torch::Tensor& qo, torch::Tensor& ko, float eps) {
+  const int64_t t_n = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
+  const int64_t ldq = q.stride(0), ldk = k.stride(0), half = cos.size(1);
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>();
+  const W *wqp = wq.data_ptr<W>(), *wkp = wk.data_ptr<W>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const Index pp(pos);
+  T *qop = qo.data_ptr<T>(), *kop = ko.data_ptr<T>();
+  at::parallel_for(0, t_n, grain((hq + hk) * d), [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(d);
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cp + pp[t] * half;
+      const float* s = sp + pp[t] * half;
+      for (int64_t h = 0; h < hq; ++h)
+        head_norm_rope(qp + t * ldq + h * d, wqp, c, s, qop + (t * hq + h) * d, d, eps, tmp.data());
+      for (int64_t h = 0; h < hk; ++h)
+        head_norm_rope(kp + t * ldk + h * d, wkp, c, s, kop + (t * hk + h) * d, d, eps, tmp.data());
+    }
+  });
+}
+
+std::vector<torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch::Tensor wq, torch::Tensor wk,
+                                        torch::Tensor cos, torch::Tensor sin, torch::Tensor pos, double eps) {
+  // q: [T, Hq, D], k: [T, Hkv, D] (views into the fused qkv output: rows strided, heads contiguous);
+  // wq, wk: [D]; cos, sin: [max_positions, D/2] fp32; pos: [T] int32/int64 -> contiguous q, k.
+  const int64_t d = q.size(2);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == d && d % 2 == 0,
+              "qk_norm_rope: q [T, Hq, D] and k [T, Hkv, D]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && k.stride(2) == 1 && k.stride(1) == d,
+              "qk_norm_rope: heads must be contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(1) * 2 == d && pos.numel() == q.size(0),
+              "qk_norm_rope: cos/sin [P, D/2] fp32 and [T] positions");
+  const Index checked(pos);
+  for (int64_t t = 0; t < pos.numel(); ++t)
+    TORCH_CHECK(checked[t] >= 0 && checked[t] < cos.size(0), "qk_norm_rope: position ", checked[t],
+                " is outside the table");
+  TORCH_CHECK(wq.is_contiguous() && wk.is_contiguous() && wq.numel() == d && wk.numel() == d &&
+              wq.scalar_type() == wk.scalar_type() && k.scalar_type() == q.scalar_type(), "qk_norm_rope: weights");
+  auto qo = torch::empty({q.size(0), q.size(1), d}, q.options());
+  auto ko = torch::empty({k.size(0), k.size(1), d}, k.options());
+  pybind11::gil_scoped_release no_gil;
+  const auto xt = q.scalar_type(), wt = wq.scalar_type();
+  if (xt == at::kFloat && wt == at::kFloat)
+    qk_norm_rope_impl<float, float>(q, k, wq, wk, cos, sin, pos, qo, ko, (float)eps);
+  else if (xt == at::kBFloat16 && wt == at::kBFloat16)
+    qk_norm_rope_impl<at::BFloat16, at::BFloat16>(q, k, wq, wk, cos, sin, pos, qo, ko, (float)eps);
+  else if (xt == at::kHalf && wt == at::kHalf)
+    qk_norm_rope_impl<at::Half, at::Half>(q, k, wq, wk, cos, sin, pos, qo, ko, (float)eps);
+  else TORCH_CHECK(false, "qk_norm_rope: unsupported dtypes");
+  return {qo, ko};
+}
+
+// exp(x) for eight floats: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (the classic
+// Cephes coefficients), 2^n put into the exponent bits; about 1 ulp over the clamped range.
+static inline v8f exp8(v8f x) {
+  const v8f hi = {88.3762626647949f, 88.3762626647949f, 88.3762626647949f, 88.3762626647949f,
+                  88.3762626647949f, 88.3762626647949f, 88.3762626647949f, 88.3762626647949f};
+  const float f_inf = std::numeric_limits<float>::infinity();
+  const v8f inf = {f_inf, f_inf, f_inf, f_inf, f_inf, f_inf, f_inf, f_inf};
+  const auto over = x > hi;   // exp overflows to +inf there, as std::exp does
+  x = over ? hi : x;
+  x = x < -hi ? -hi : x;
+  v8f fn = x * 1.44269504088896341f + 0.5f;
+  v8i n = __builtin_convertvector(fn, v8i);
+  v8f nf = __builtin_convertvector(n, v8f);
+  nf = nf > fn ? nf - 1.f : nf;  // floor (the conversion truncates toward zero)
+  n = __builtin_convertvector(nf, v8i);
+  const v8f r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  v8f p = 1.9875691500E-4f * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * (r * r) + r + 1.f;
+  const v8i bits = (n + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return over ? inf : p * scale;
+}
+
+// Eight values of T as floats, and back (rounding to nearest even, as torch's casts do).
+static inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+static inline v8f load8(const at::BFloat16* p) {
+  uint16_t h[8];
+  std::memcpy(h, p, sizeof h);
+  v8u u = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]};
+  u <<= 16;  // bf16 is the top half of an fp32
+  v8f v; std::memcpy(&v, &u, sizeof v); return v;
+}
+// fp32 bits rounded to the nearest bf16 (ties to even) in their top half; NaN stays a quiet NaN.
+static inline v8u bf16_bits(v8f v) {
+  v8u u; std::memcpy(&u, &v, sizeof u);
+  const v8u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const v8u nan = {0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u,
+                   0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u};
+  return (v8u)(v == v) ? rounded : nan;
+}
+static inline void store8(at::BFloat16* p, v8f v) {
+  const v8u u = bf16_bits(v) >> 16;
+  uint16_t h[8];
+  for (int j = 0; j < 8; ++j) h[j] = static_cast<uint16_t>(u[j]);
+  std::memcpy(p, h, sizeof h);
+}
+static inline v8f load8(const at::Half* p) {
+  float f[8]; for (int j = 0; j < 8; ++j) f[j] = static_cast<float>(p[j]);
+  return load8(f);
+}
+static inline void store8(at::Half* p, v8f v) {
+  float f[8]; std::memcpy(f, &v, sizeof f);
+  for (int j = 0; j < 8; ++j) p[j] = at::Half(f[j]);
+}
+template <typename T> static inline v8f round8(v8f v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const v8u u = bf16_bits(v);
+    v8f r; std::memcpy(&r, &u, sizeof r); return r;
+  } else {
+    T t[8]; store8(t, v); return load8(t);
+  }
+}
+
+template <typename T>
+static void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& y) {
+  const int64_t rows = x.size(0), n = x.size(1) / 2, ldx = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* gate = xp + r * ldx;
+      const T* up = gate + n;
+      T* out = yp + r * n;
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const v8f g = load8(gate + i);
+        const v8f s = round8<T>(g / (1.f + exp8(-g)));  // silu(g) = g / (1 + exp(-g)), in T (as torch)
+        store8(out + i, s * load8(up + i));
+      }
+      for (; i < n; ++i) {
+        const float g = to_f(gate[i]);
+        out[i] = from_f<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_f(up[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  // x: [T, 2n] = gate | up (rows may be strided) -> [T, n] = silu(gate) * up, x's dtype.
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, "silu_and_mul: x must be [T, 2n]");
+  auto y = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  pybind11::gil_scoped_release no_gil;
+  if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(x, y);
+  else if (x.scalar_type() == at::kBFloat16) silu_and_mul_impl<at::BFloat16>(x, y);
+  else if (x.scalar_type() == at::kHalf) silu_and_mul_impl<at::Half>(x, y);
+  else TORCH_CHECK(false, "silu_and_mul: unsupported dtype");
+  return y;
+}
+
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots) {
+  // key, value: [T, Hkv, D] (rows may be strided; heads contiguous); caches [B, S, Hkv, D] contiguous;
+  // slots: [T] int32/int64, -1 = do not store. Checked by the caller (rtp.kernels.kv_store).
+  const int64_t t_n = key.size(0), width = key.size(1) * key.size(2), item = key.element_size();
+  const int64_t ldk = key.stride(0) * item, ldv = value.stride(0) * item, row = width * item;
+  const int64_t cap = k_cache.numel() / width;
+  const char *kp = static_cast<const char*>(key.data_ptr()), *vp = static_cast<const char*>(value.data_ptr());
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  TORCH_CHECK(slots.numel() == t_n, "store_kv: one slot per token");
+  const Index sp(slots);
+  for (int64_t t = 0; t < t_n; ++t) TORCH_CHECK(sp[t] < cap, "store_kv: slot ", sp[t], " is outside the cache");
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, t_n, grain(width), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (sp[t] < 0) continue;
+      std::memcpy(kc + sp[t] * row, kp + t * ldk, row);
+      std::memcpy(vc + sp[t] * row, vp + t * ldv, row);
+    }
+  });
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ModuleType | None:
+    """Build (first use) and import the kernels; None where they cannot be built."""
+    return build("cpu_ops", _SOURCE, ["rms_norm", "qk_norm_rope", "silu_and_mul", "store_kv"])
+
+
+def available() -> bool:
+    """True when the kernels built on this machine."""
+    return load() is not None
+
+
+def _module() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU layer-op kernels are not available on this machine")
+    return module
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [..., n]`` (last dim contiguous) with ``weight [n]``; x's dtype."""
+    if x.dim() == 2:  # the hidden states' shape: skip the reshapes (a few us each at decode shapes)
+        return _module().rms_norm(x, weight, eps)
+    return _module().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm then rotary embedding of ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``.
+
+    ``cos``/``sin``: ``[max_positions, D/2]`` float32 tables. Returns contiguous tensors.
+    """
+    qo, ko = _module().qk_norm_rope(q, k, q_weight, k_weight, cos, sin, positions, eps)
+    return qo, ko
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x [T, 2n]`` = gate ‖ up -> ``[T, n]``."""
+    return _module().silu_and_mul(x)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Copy each token's K/V rows to its cache slot (slots of -1 are skipped); arguments already checked."""
+    _module().store_kv(key, value, k_cache, v_cache, slot_mapping)
