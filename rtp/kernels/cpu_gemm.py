@@ -8,7 +8,8 @@ of 16 output columns, ``[ceil(N / 16), K, 16]``, so that one pass over a panel
 feeds a register tile of up to 6 rows x 16 columns (12 vector accumulators, one
 fused multiply-add per weight and row). K is cut in slices of 256 so that the
 panel slice and the rows' slice stay in L1 while every 6-row tile of the batch
-reuses them; panels are spread over the threads. Long inputs (prompt steps) run in
+reuses them; panels are spread over the threads. With few rows (decode) the
+tiles also prefetch the next slice of weights from memory. Long inputs (prompt steps) run in
 blocks of 240 rows, so that the rows a panel reads come from L2.
 
 Weights may be float32 or bfloat16 (bf16 is widened to fp32 in registers: half
@@ -40,6 +41,7 @@ _SOURCE = r"""
 
 typedef float v8f __attribute__((vector_size(32)));
 constexpr int64_t NR = 16, KC = 256, MR = 6, MB = 240;  // MB: rows per block, a multiple of MR
+constexpr int64_t PF_MAX_ROWS = 48;  // software prefetch of the weights up to this many rows
 
 static inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
@@ -53,11 +55,13 @@ static inline v8f load8(const at::BFloat16* p) {
 
 // acc[r] (16 floats of output row r) += x[r, k0:k0+kc] . w_panel[k0:k0+kc, :16], for R rows.
 template <int R, typename W>
-static inline void tile(const float* x, int64_t ldx, const W* w, int64_t kc, float* acc) {
+static inline void tile(const float* x, int64_t ldx, const W* w, int64_t kc, float* acc, const char* pf,
+                        int64_t npf) {
   v8f a0[R], a1[R];
   for (int r = 0; r < R; ++r) { a0[r] = load8(acc + r * NR); a1[r] = load8(acc + r * NR + 8); }
   for (int64_t k = 0; k < kc; ++k) {
     const v8f w0 = load8(w + k * NR), w1 = load8(w + k * NR + 8);
+    if (k < npf) __builtin_prefetch(pf + k * 64);  // one cache line of the weights ahead (see gemm_impl)
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * ldx + k];
       const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
@@ -69,14 +73,15 @@ static inline void tile(const float* x, int64_t ldx, const W* w, int64_t kc, flo
 }
 
 template <typename W>
-static void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t kc, float* acc) {
+static void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t kc, float* acc,
+                      const char* pf, int64_t npf) {
   switch (rows) {
-    case 6: tile<6>(x, ldx, w, kc, acc); break;
-    case 5: tile<5>(x, ldx, w, kc, acc); break;
-    case 4: tile<4>(x, ldx, w, kc, acc); break;
-    case 3: tile<3>(x, ldx, w, kc, acc); break;
-    case 2: tile<2>(x, ldx, w, kc, acc); break;
-    default: tile<1>(x, ldx, w, kc, acc); break;
+    case 6: tile<6>(x, ldx, w, kc, acc, pf, npf); break;
+    case 5: tile<5>(x, ldx, w, kc, acc, pf, npf); break;
+    case 4: tile<4>(x, ldx, w, kc, acc, pf, npf); break;
+    case 3: tile<3>(x, ldx, w, kc, acc, pf, npf); break;
+    case 2: tile<2>(x, ldx, w, kc, acc, pf, npf); break;
+    default: tile<1>(x, ldx, w, kc, acc, pf, npf); break;
   }
 }
 
@@ -93,8 +98,23 @@ static void gemm_impl(const float* x, const W* wp, const float* bias, float* y, 
       const W* panel = wp + p * K * NR;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        for (int64_t m0 = 0; m0 < M; m0 += MR)
-          tile_rows(std::min(MR, M - m0), x + m0 * K + k0, K, panel + k0 * NR, kc, acc.data() + m0 * NR);
+        // Decode shapes stream their weights from memory, and with a few rows the core computes too
+        // little per cache line for the hardware prefetcher to keep ahead: without help the time is the
+        // memory time plus the compute time, not the larger of the two. So the row tiles prefetch the
+        // next K slice (this thread's panels are one contiguous range), one line per k, shared out
+        // between the tiles: 1.05-1.2x at 8-24 rows on a 28-layer Qwen3-0.6B stack (a whole decode step
+        // at 8 sequences ~1.05x); prompt steps
+        // compute enough per line and do not prefetch.
+        const int64_t tiles = (M + MR - 1) / MR;
+        const int64_t lines = M > PF_MAX_ROWS ? 0 : kc * NR * (int64_t)sizeof(W) / 64;
+        const int64_t per_tile = (lines + tiles - 1) / tiles;
+        const char* ahead = reinterpret_cast<const char*>(panel + k0 * NR + KC * NR);
+        const char* stop = reinterpret_cast<const char*>(wp + end * K * NR);
+        for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR, ++t) {
+          const char* pf = ahead + t * per_tile * 64;
+          const int64_t npf = std::max<int64_t>(0, std::min({per_tile, lines - t * per_tile, (stop - pf) / 64}));
+          tile_rows(std::min(MR, M - m0), x + m0 * K + k0, K, panel + k0 * NR, kc, acc.data() + m0 * NR, pf, npf);
+        }
       }
       for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, acc.data() + m * NR, nc * sizeof(float));
     }
