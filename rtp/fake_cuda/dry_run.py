@@ -27,7 +27,7 @@ from rtp.core.step import CachedSeqs, StepPlan
 from rtp.distributed.parallel import ParallelState
 from rtp.fake_cuda.device import FakeCuda
 from rtp.fake_cuda.monitor import StepMonitor
-from rtp.fake_cuda.plans import PlanBuilder
+from rtp.fake_cuda.plans import ScriptedPlans
 from rtp.model import loader
 from rtp.runtime import model_runner
 from rtp.runtime.model_runner import ModelRunner
@@ -275,7 +275,7 @@ class _Steps:
     def __init__(self, runner: ModelRunner, fake: FakeCuda, ps: ParallelState) -> None:
         self.runner, self.fake, self.ps = runner, fake, ps
         self.vocab = runner.spec.vocab_size
-        self.plans = PlanBuilder(runner.block_size, self.vocab)
+        self.plans = ScriptedPlans(runner.block_size, self.vocab)
         self.forward = _Counter(runner.model.forward)
         runner.model.forward = self.forward  # type: ignore[method-assign]
         self.logits: torch.Tensor | None = None  # rank 0: the last step's
