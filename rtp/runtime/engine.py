@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from rtp.config import RtpConfig
-from rtp.core.scheduler import Scheduler, SchedulerConfig, ScheduleResult
+from rtp.core.scheduler import Scheduler, ScheduleResult, SchedulerLimits
 from rtp.core.sequence import Sequence
 from rtp.core.step import StepPlan
 from rtp.errors import RequestError
@@ -77,7 +77,7 @@ class Engine:
         self.inputs = InputProcessor(self.model_info)
         self._token_decoder = TokenDecoder(self.tokenizer)  # shared by every request's detokenizer
         self.scheduler = Scheduler(
-            SchedulerConfig(
+            SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
