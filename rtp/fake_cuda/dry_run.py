@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from rtp.config import ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.core.step import CachedSeqs, StepPlan
 from rtp.distributed.parallel import ParallelState
 from rtp.fake_cuda.device import FakeCuda
@@ -264,9 +265,13 @@ class _Counter:
 
 def build_runner(ps: ParallelState, model_dir: Path, case: Case) -> ModelRunner:
     """The runner as a GPU deployment builds it: bf16, KV cache sized from memory, CUDA graphs on."""
-    return ModelRunner(ps, model_dir, dtype="bfloat16", max_model_len=512, max_num_batched_tokens=256,
-                       max_num_seqs=32, enforce_eager=False, cuda_graph_max_batch=GRAPH_MAX_BATCH,
-                       expert_parallel=case.expert_parallel)
+    config = RtpConfig(
+        model=ModelConfig(dtype="bfloat16", max_model_len=512, enforce_eager=False,
+                          cuda_graph_max_batch=GRAPH_MAX_BATCH),
+        parallel=ParallelConfig(expert_parallel=case.expert_parallel),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32),
+    )
+    return ModelRunner(ps, model_dir, config)
 
 
 class _Steps:

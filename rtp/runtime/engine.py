@@ -78,16 +78,16 @@ class Engine:
         self._token_decoder = TokenDecoder(self.tokenizer)  # shared by every request's detokenizer
         self.scheduler = Scheduler(
             SchedulerLimits(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.scheduler.max_num_seqs,
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 block_size=runner.block_size,
                 num_blocks=runner.num_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=config.cache.enable_prefix_caching,
             ),
             self.eos_token_ids,
         )
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed)
         self.outputs = OutputProcessor(self.scheduler.finish, self._release_id)  # owned by the stepping thread
         self._seq_ids = itertools.count()
         self._lock = threading.Lock()  # guards the inbox and the live ids

@@ -38,6 +38,7 @@ def test_flash_attention_matches_torch_path(q_lens, k_lens):
 
 @pytest.mark.skipif(not flash_attn_available(), reason="flash-attn is not installed")
 def test_cuda_graph_decode_matches_eager(tmp_path):
+    from rtp.config import CacheConfig, ModelConfig, RtpConfig
     from rtp.core.step import CachedSeq, NewSeq, StepPlan
     from rtp.distributed.parallel import ParallelState
     from rtp.runtime.model_runner import ModelRunner
@@ -48,8 +49,9 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     path = make_tiny_qwen3(tmp_path / "m", spec)
     outs = []
     for eager in (True, False):
-        runner = ModelRunner(ParallelState.single("cuda"), path, dtype="bfloat16", block_size=256, num_kv_blocks=16,
-                             enforce_eager=eager, cuda_graph_max_batch=8)
+        config = RtpConfig(model=ModelConfig(dtype="bfloat16", enforce_eager=eager, cuda_graph_max_batch=8),
+                           cache=CacheConfig(block_size=256, num_kv_blocks=16))
+        runner = ModelRunner(ParallelState.single("cuda"), path, config)
         prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
         logits = [runner.execute(StepPlan(new_seqs=[NewSeq(i, p, [i], 0, len(p)) for i, p in enumerate(prompts)]))
                   .sample_logits]
