@@ -111,8 +111,10 @@ def add_flags(ap: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
             ap.add_argument(*flag.names, dest=_dest(flag), action=argparse.BooleanOptionalAction, default=None,
                             help=help_text)
         else:
+            # The setting's own name (PORT, BLOCK_SIZE), not the dest argparse would show; choices show themselves.
+            metavar = flag.metavar or (None if flag.choices else flag.key.rpartition(".")[2].upper())
             ap.add_argument(*flag.names, dest=_dest(flag), type=flag.type, choices=flag.choices, default=None,
-                            metavar=flag.metavar, help=help_text)
+                            metavar=metavar, help=help_text)
 
 
 def given(args: argparse.Namespace, flags: Sequence[Flag]) -> list[tuple[Flag, Any]]:
