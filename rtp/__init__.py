@@ -9,12 +9,11 @@ it for explicit use.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from rtp.config import RtpConfig, default_config_path, load_config
+from rtp.config import RtpConfig, default_config_path, load_config, replace_settings
 from rtp.errors import ConfigError, RtpError
 from rtp.outputs import RequestOutput
 from rtp.sampling import SamplingParams
@@ -28,7 +27,8 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
     """Start the runtime on this rank; rank 0 gets a Runtime, other ranks never return.
 
     ``config`` is an RtpConfig, a YAML path, or None for ``configs/cpu.yaml``;
-    keyword ``overrides`` replace top-level keys (None values are ignored).
+    keyword ``overrides`` replace settings, spelled as in the YAML (``block_size=32``,
+    ``cache={"block_size": 32}``; None values are ignored).
     """
     global _current
     from rtp.assets import trained_model_dir
@@ -42,8 +42,8 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
     if not isinstance(config, RtpConfig):
         config = load_config(config if config is not None else default_config_path(), **overrides)
     elif overrides:
-        config = load_config(None, **{**dataclasses.asdict(config), **overrides})
-    model_dir = Path(config.model) if config.model else trained_model_dir()
+        config = replace_settings(config, **overrides)
+    model_dir = Path(config.model.path) if config.model.path else trained_model_dir()
     if not (model_dir / "config.json").is_file():
         raise ConfigError(
             f"model={str(model_dir)!r} is not a Hugging Face checkpoint folder (no config.json there); "

@@ -40,10 +40,10 @@ def ranks_to_start(module: str, args: argparse.Namespace) -> int:
 
     flags = ENGINE_FLAGS + (SERVER_FLAGS if module == COMMANDS["serve"] else ())
     config = load_config_from_args(args, flags)
-    nproc, tp = args.nproc_per_node, args.tensor_parallel_size
+    nproc, tp = args.nproc_per_node, args.parallel__tensor_parallel_size
     if nproc is not None and tp is not None and nproc != tp:
         raise RtpError(f"--nproc-per-node {nproc} and --tensor-parallel-size {tp} disagree: give one of them")
-    nproc = nproc or config.tensor_parallel_size or 1
+    nproc = nproc or config.parallel.tensor_parallel_size or 1
     if nproc < 1:
         raise RtpError(f"--nproc-per-node must be >= 1, got {nproc}")
     return nproc

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from rtp.config import RtpConfig
+from rtp.config import CacheConfig, ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.core.step import StepPlan, decode, encode
 from rtp.distributed.shm_channel import ShmChannel
 from rtp.distributed.shm_segment import make_segment_name
@@ -181,12 +181,13 @@ def run_case(model_dir: Path, num_seqs: int, steps: int, warmup: int, prompt_len
     max_model_len = prompt_len + max_tokens + block_size
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = num_seqs * blocks_per_seq + 16
-    config = RtpConfig(device="cpu", max_num_seqs=max(num_seqs, 1), max_num_batched_tokens=8192,
-                       max_model_len=max_model_len, enable_prefix_caching=True)
+    config = RtpConfig(model=ModelConfig(max_model_len=max_model_len), parallel=ParallelConfig(device="cpu"),
+                       cache=CacheConfig(enable_prefix_caching=True),
+                       scheduler=SchedulerConfig(max_num_seqs=max(num_seqs, 1), max_num_batched_tokens=8192))
     plain_add, plain_flush = IncrementalDetokenizer.add, IncrementalDetokenizer.flush
     name = make_segment_name("rtpbench_")
-    writer = ShmChannel.create(name, num_readers=1, chunk_bytes=config.shm_chunk_bytes,
-                               num_chunks=config.shm_num_chunks)
+    writer = ShmChannel.create(name, num_readers=1, chunk_bytes=config.parallel.shm_chunk_bytes,
+                               num_chunks=config.parallel.shm_num_chunks)
     reader: ShmChannel | None = None
     try:
         reader = ShmChannel.attach(name, 0, timeout=5)

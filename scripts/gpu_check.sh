@@ -6,7 +6,7 @@
 #      (python -m tests.kernels.paged_attention_cases: needs no pytest)
 #   1b. fused MoE on CUDA: Triton kernels vs torch path, CUDA-graph replay, a tiny Qwen3-MoE model,
 #      timings of one Qwen3-30B-A3B MoE layer (python -m tests.kernels.fused_moe_cases)
-#   2. the gpu-marked tests (tests/model/test_gpu.py), when pytest is installed
+#   2. the gpu-marked tests (pytest -m gpu over the files that hold them), when pytest is installed
 #   3. a 2-rank NCCL smoke run, when there are 2+ GPUs
 #   4. a short benchmark (scripts/bench.py --quick); its failure is reported, not fatal
 # Writes a markdown table (check, result, seconds) to $OUT/gpu_check.md if $OUT is set, else to
@@ -90,11 +90,13 @@ if [ "$NUM_GPUS" -ge 1 ]; then
         "$PY" -m tests.kernels.paged_attention_cases --device cuda --bench
     check "fused MoE on CUDA (kernels fp32/bf16, CUDA graph, tiny Qwen3-MoE model)" 120 \
         "$PY" -m tests.kernels.fused_moe_cases --device cuda --bench
+    GPU_TESTS="tests/model/test_attention.py tests/kernels/test_paged_attention.py tests/runtime/test_cuda_graphs.py tests/kernels/test_fused_moe.py"
     if "$PY" -c "import pytest" 2>/dev/null; then
-        check "gpu-marked tests (pytest tests/model/test_gpu.py tests/kernels/test_fused_moe.py)" 120 \
-            "$PY" -m pytest -q -m gpu tests/model/test_gpu.py tests/kernels/test_fused_moe.py -ra -p no:cacheprovider
+        # shellcheck disable=SC2086 # one word per file
+        check "gpu-marked tests (pytest -m gpu: attention, paged attention, CUDA graphs, fused MoE)" 120 \
+            "$PY" -m pytest -q -m gpu $GPU_TESTS -ra -p no:cacheprovider
     else
-        ROWS+=("| gpu-marked tests (pytest tests/model/test_gpu.py) | SKIP (pytest not installed; the triton checks above cover the same paths) | 0 |")
+        ROWS+=("| gpu-marked tests (pytest -m gpu) | SKIP (pytest not installed; the triton checks above cover the same paths) | 0 |")
     fi
 else
     ROWS+=("| GPU checks | FAIL (torch sees no CUDA GPU) | 0 |")

@@ -13,12 +13,18 @@ import yaml
 
 from rtp import config as config_module
 from rtp.config import (
+    CacheConfig,
+    LivenessConfig,
+    ModelConfig,
+    ParallelConfig,
     RtpConfig,
+    SchedulerConfig,
     ServerConfig,
     config_from_dict,
     default_config_path,
     load_config,
     resolve_tp_size,
+    value_of,
 )
 from rtp.errors import ConfigError
 
@@ -51,37 +57,38 @@ def test_shipped_yaml_loads_and_round_trips(path: Path) -> None:
             for sub_key, sub_value in value.items():
                 assert getattr(config.server, sub_key) == sub_value, f"server.{sub_key}"
         else:
-            assert getattr(config, key) == value, key
+            assert value_of(config, key) == value, key
     assert config_from_dict(dataclasses.asdict(config)) == config
     # A prefill step's token ids and slot mapping (int64 each) fit one ring chunk.
-    assert config.shm_chunk_bytes >= 16 * config.max_num_batched_tokens
-    assert config.model is None  # users pass --model
+    assert config.parallel.shm_chunk_bytes >= 16 * config.scheduler.max_num_batched_tokens
+    assert config.model.path is None  # users pass --model
 
 
 @pytest.mark.parametrize("name", GPU_FILES)
 def test_gpu_topology_files(name: str) -> None:
     config = load_config(CONFIG_DIR / f"{name}.yaml")
-    assert config.tensor_parallel_size == int(name.split("x")[0])
-    assert resolve_tp_size(config, config.tensor_parallel_size) == config.tensor_parallel_size
-    assert config.device == "cuda" and config.dtype == "bfloat16"
-    assert config.block_size % 256 == 0  # flash-attn's paged KV layout
-    assert not config.enforce_eager
-    assert 0.8 <= config.gpu_memory_utilization <= 0.95
-    assert 256 <= config.max_num_seqs <= 512
-    assert 8192 <= config.max_num_batched_tokens <= 16384
-    assert config.cuda_graph_max_batch <= config.max_num_seqs
-    assert config.max_num_batched_tokens >= config.max_num_seqs  # a full decode batch fits one step
+    parallel, cache, scheduler = config.parallel, config.cache, config.scheduler
+    assert parallel.tensor_parallel_size == int(name.split("x")[0])
+    assert resolve_tp_size(config, parallel.tensor_parallel_size) == parallel.tensor_parallel_size
+    assert parallel.device == "cuda" and config.model.dtype == "bfloat16"
+    assert cache.block_size % 256 == 0  # flash-attn's paged KV layout
+    assert not config.model.enforce_eager
+    assert 0.8 <= cache.gpu_memory_utilization <= 0.95
+    assert 256 <= scheduler.max_num_seqs <= 512
+    assert 8192 <= scheduler.max_num_batched_tokens <= 16384
+    assert config.model.cuda_graph_max_batch <= scheduler.max_num_seqs
+    assert scheduler.max_num_batched_tokens >= scheduler.max_num_seqs  # a full decode batch fits one step
 
 
 def test_cpu_file_is_the_default_and_fits_any_rank_count() -> None:
     path = default_config_path()
     assert path is not None and path.resolve() == (CONFIG_DIR / "cpu.yaml").resolve()
     config = load_config(path)
-    assert config.tensor_parallel_size is None
+    assert config.parallel.tensor_parallel_size is None
     for world_size in (1, 2, 3, 4):
         assert resolve_tp_size(config, world_size) == world_size
-    assert config.device == "cpu" and config.dtype == "auto" and config.enforce_eager
-    assert config.cpu_kv_cache_gib == 0.5 and config.block_size == 16
+    assert config.parallel.device == "cpu" and config.model.dtype == "auto" and config.model.enforce_eager
+    assert config.cache.cpu_kv_cache_gib == 0.5 and config.cache.block_size == 16
 
 
 def test_no_path_gives_dataclass_defaults() -> None:
@@ -199,8 +206,10 @@ def test_directory_is_not_a_config(tmp_path: Path) -> None:
 
 
 def test_direct_construction_is_validated() -> None:
-    with pytest.raises(ConfigError, match=r"^RtpConfig: block_size=3 is invalid"):
-        RtpConfig(block_size=3)
+    with pytest.raises(ConfigError, match=r"^CacheConfig: block_size=3 is invalid"):
+        CacheConfig(block_size=3)
+    with pytest.raises(ConfigError, match=r"^RtpConfig: cache\.block_size=3 is invalid"):
+        RtpConfig(cache={"block_size": 3})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^RtpConfig: server\.port=-1 is invalid"):
         RtpConfig(server={"port": -1})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^ServerConfig: default_max_tokens=9 is invalid"):
@@ -208,29 +217,30 @@ def test_direct_construction_is_validated() -> None:
     config = RtpConfig(server={"port": 0})  # type: ignore[arg-type]
     assert isinstance(config.server, ServerConfig) and config.server.port == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.block_size = 32  # type: ignore[misc]
+        config.cache.block_size = 32  # type: ignore[misc]
 
 
 def test_normalisation(tmp_path: Path) -> None:
     text = "gpu_memory_utilization: 1\nlog_level: debug\nliveness_timeout_s: 5\n"
     config = load_config(write(tmp_path, text))
-    assert config.gpu_memory_utilization == 1.0 and isinstance(config.gpu_memory_utilization, float)
-    assert isinstance(config.liveness_timeout_s, float)
+    assert config.cache.gpu_memory_utilization == 1.0 and isinstance(config.cache.gpu_memory_utilization, float)
+    assert isinstance(config.liveness.timeout_s, float)
     assert config.log_level == "DEBUG"
-    assert load_config(model=tmp_path).model == str(tmp_path)  # a PathLike becomes a str
+    assert load_config(model=tmp_path).model.path == str(tmp_path)  # a PathLike becomes a str
 
 
 def test_liveness_defaults_catch_a_hung_rank_within_ten_seconds_on_cpu() -> None:
     cpu = load_config(CONFIG_DIR / "cpu.yaml")
     # Caught once the heartbeat is this old, plus a watchdog round and the exit (about a second).
-    assert cpu.liveness_timeout_s <= 9
-    assert cpu.step_timeout_s is not None and cpu.step_timeout_s >= 60  # room for a long CPU prefill
+    assert cpu.liveness.timeout_s <= 9
+    assert cpu.liveness.step_timeout_s is not None and cpu.liveness.step_timeout_s >= 60  # a long CPU prefill
     for name in GPU_FILES:
-        gpu = load_config(CONFIG_DIR / f"{name}.yaml")
+        gpu = load_config(CONFIG_DIR / f"{name}.yaml").liveness
         # Generous on GPU (a C call holding the GIL starves the heartbeat), and a step gets minutes.
-        assert 10 <= gpu.liveness_timeout_s <= 60 and gpu.step_timeout_s >= 120, name
-    assert config_from_dict({"step_timeout_s": None}).step_timeout_s is None  # null: no stuck-step check
-    assert RtpConfig().liveness_timeout_s <= 10
+        assert 10 <= gpu.timeout_s <= 60 and gpu.step_timeout_s >= 120, name
+    # null: no stuck-step check
+    assert config_from_dict({"step_timeout_s": None}).liveness.step_timeout_s is None
+    assert RtpConfig().liveness.timeout_s <= 10
 
 
 def test_api_key_is_not_in_repr() -> None:
@@ -239,10 +249,13 @@ def test_api_key_is_not_in_repr() -> None:
     assert "s3cret-value" not in repr(config)
 
 
+SECTIONS = (ModelConfig, ParallelConfig, CacheConfig, SchedulerConfig, LivenessConfig, ServerConfig)
+
+
 def test_every_field_has_a_rule_and_a_docstring() -> None:
-    for cls in (RtpConfig, ServerConfig):
+    for cls in (RtpConfig, *SECTIONS):
         names = [f.name for f in dataclasses.fields(cls)]
-        assert list(config_module._RULES[cls]) == names
+        assert all("rule" in f.metadata or "section" in f.metadata for f in dataclasses.fields(cls)), cls
         body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
         documented = {
             stmt.target.id
@@ -270,15 +283,15 @@ def test_override_beats_yaml_and_server_mappings_merge(tmp_path: Path) -> None:
     text = "block_size: 16\nmax_num_seqs: 8\nserver:\n  host: 0.0.0.0\n  port: 9000\n"
     path = write(tmp_path, text, "ok.yaml")
     config = load_config(path, block_size=32, server={"port": 0})
-    assert config.block_size == 32
-    assert config.max_num_seqs == 8  # not overridden: the file's value
+    assert config.cache.block_size == 32
+    assert config.scheduler.max_num_seqs == 8  # not overridden: the file's value
     assert config.server.port == 0
     assert config.server.host == "0.0.0.0"  # the file's server mapping is merged, not replaced
 
 
 def test_override_replaces_a_bad_file_value(tmp_path: Path) -> None:
     path = write(tmp_path, "block_size: 3\n")
-    assert load_config(path, block_size=64).block_size == 64
+    assert load_config(path, block_size=64).cache.block_size == 64
 
 
 def test_bad_override_names_override_as_source(tmp_path: Path) -> None:
@@ -306,7 +319,7 @@ def test_tp_size_none_follows_world_size(world_size: int) -> None:
 
 
 def test_tp_size_mismatch_names_both_numbers() -> None:
-    config = RtpConfig(tensor_parallel_size=4)
+    config = RtpConfig(parallel=ParallelConfig(tensor_parallel_size=4))
     assert resolve_tp_size(config, 4) == 4
     with pytest.raises(ConfigError) as info:
         resolve_tp_size(config, 2)
@@ -320,3 +333,105 @@ def test_tp_size_mismatch_names_both_numbers() -> None:
 def test_tp_size_rejects_bad_world_size(world_size: int) -> None:
     with pytest.raises(ConfigError, match="world size"):
         resolve_tp_size(RtpConfig(), world_size)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+SECTIONED_CPU = """
+model:
+  path: null
+  dtype: auto
+  enforce_eager: true
+  seed: 0
+parallel:
+  tensor_parallel_size: null
+  device: cpu
+  shm_chunk_bytes: 1048576
+  shm_num_chunks: 4
+cache:
+  block_size: 16
+  enable_prefix_caching: true
+  cpu_kv_cache_gib: 0.5
+scheduler:
+  max_num_seqs: 256
+  max_num_batched_tokens: 2048
+liveness:
+  timeout_s: 8
+  step_timeout_s: 300
+log_level: INFO
+server:
+  host: 127.0.0.1
+  port: 8000
+  api_key: null
+  max_tokens_limit: 4096
+  default_max_tokens: 256
+"""
+
+
+def test_sectioned_file_equals_the_flat_one(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, SECTIONED_CPU, "s.yaml")) == load_config(CONFIG_DIR / "cpu.yaml")
+
+
+def test_flat_keys_map_to_one_field_each() -> None:
+    keys = config_module.flat_keys()
+    assert len(set(keys.values())) == len(keys)
+    assert keys["block_size"] == "cache.block_size" and keys["model"] == "model.path"
+    assert keys["liveness_timeout_s"] == "liveness.timeout_s"
+    assert not any(v.startswith("server.") for v in keys.values())  # server settings were never flat
+    config = config_from_dict({"max_num_seqs": 3, "parallel": {"device": "cpu"}, "model": "/m"})
+    assert value_of(config, "max_num_seqs") == value_of(config, "scheduler.max_num_seqs") == 3
+    assert config.parallel.device == "cpu" and config.model.path == "/m"
+
+
+def test_model_is_a_path_or_a_section() -> None:
+    assert config_from_dict({"model": "/m"}).model == ModelConfig(path="/m")
+    assert config_from_dict({"model": {"path": "/m", "dtype": "float32"}}).model == ModelConfig("/m", "float32")
+    assert config_from_dict({"model": None}).model == ModelConfig()
+
+
+# (id, YAML text, texts the message must contain)
+BAD_SECTIONED: list[tuple[str, str, list[str]]] = [
+    ("bad-value", "cache:\n  block_size: 24", ["cache.block_size=24 is invalid", "power of two"]),
+    ("bad-type", "scheduler:\n  max_num_seqs: x", ["scheduler.max_num_seqs='x' is invalid", ">= 1", "string"]),
+    ("renamed", "liveness:\n  liveness_timeout_s: 5",
+     ["'liveness.liveness_timeout_s' was renamed to 'liveness.timeout_s'", "top-level 'liveness_timeout_s'"]),
+    ("renamed-model", "model:\n  model: /m", ["'model.model' was renamed to 'model.path'"]),
+    ("wrong-section", "cache:\n  max_num_seqs: 4",
+     ["unknown key 'cache.max_num_seqs'", "'scheduler.max_num_seqs'", "allowed keys under cache: block_size"]),
+    ("typo", "cache:\n  blok_size: 4", ["did you mean 'cache.block_size'"]),
+    ("not-a-mapping", "cache: 16", ["cache=16 is invalid", "mapping", "block_size"]),
+    ("twice", "block_size: 16\ncache:\n  block_size: 32", ["block_size and cache.block_size both set"]),
+    ("section-field-at-top", "timeout_s: 5", ["did you mean 'liveness.timeout_s'", "allowed keys"]),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), [c[1:] for c in BAD_SECTIONED], ids=[c[0] for c in BAD_SECTIONED])
+def test_bad_sectioned_config_is_reported_on_one_line(tmp_path: Path, text: str, expected: list[str]) -> None:
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{path}: ")
+    for text_part in expected:
+        assert text_part in message, message
+
+
+def test_section_overrides_merge_setting_by_setting(tmp_path: Path) -> None:
+    path = write(tmp_path, "cache:\n  block_size: 16\n  num_kv_blocks: 9\nmodel: /m\n", "ok.yaml")
+    config = load_config(path, cache={"block_size": 32, "num_kv_blocks": None}, model={"dtype": "float32"})
+    assert config.cache.block_size == 32 and config.cache.num_kv_blocks == 9  # None: not overridden
+    assert config.model.path == "/m" and config.model.dtype == "float32"
+    assert load_config(path, block_size=64).cache.block_size == 64  # a flat override beats the file's section
+    with pytest.raises(ConfigError, match=r"^override: cache\.block_size=3 is invalid"):
+        load_config(path, cache={"block_size": 3})
+
+
+def test_replace_settings_keeps_what_is_not_overridden() -> None:
+    base = RtpConfig(model=ModelConfig(path="/m", dtype="float32"),
+                     liveness=LivenessConfig(step_timeout_s=None))
+    config = config_module.replace_settings(base, block_size=32, model="/other")
+    assert config.model == ModelConfig(path="/other", dtype="float32")
+    assert config.cache.block_size == 32 and config.liveness.step_timeout_s is None
+    with pytest.raises(ConfigError, match=r"^override: max_num_seqs=0 is invalid"):
+        config_module.replace_settings(base, max_num_seqs=0)

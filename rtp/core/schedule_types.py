@@ -15,7 +15,7 @@ from rtp.errors import ConfigError
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerLimits:
     """Limits of the scheduler and the shape of the KV cache."""
 
     max_num_seqs: int
@@ -39,10 +39,10 @@ class SchedulerConfig:
                      "max_prompt_logit_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"SchedulerConfig.{name}={value!r} is invalid: expected a positive integer")
+                raise ConfigError(f"SchedulerLimits.{name}={value!r} is invalid: expected a positive integer")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(
-                f"SchedulerConfig.enable_prefix_caching={self.enable_prefix_caching!r} is invalid: "
+                f"SchedulerLimits.enable_prefix_caching={self.enable_prefix_caching!r} is invalid: "
                 "expected true or false"
             )
 

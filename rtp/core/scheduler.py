@@ -44,9 +44,9 @@ from rtp.core.block_manager import BlockManager
 from rtp.core.plan_builder import PlanBuilder
 from rtp.core.schedule_types import (
     ScheduledSeq,
-    SchedulerConfig,
     SchedulerCounters,
     ScheduleResult,
+    SchedulerLimits,
     SchedulerStats,
 )
 from rtp.core.sequence import Sequence, SequenceStatus
@@ -55,13 +55,13 @@ from rtp.log import get_logger
 
 logger = get_logger(__name__)
 
-__all__ = ["ScheduleResult", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerCounters", "SchedulerStats"]
+__all__ = ["ScheduleResult", "ScheduledSeq", "Scheduler", "SchedulerLimits", "SchedulerCounters", "SchedulerStats"]
 
 
 class Scheduler:
     """Decides, step after step, which tokens of which sequences the ranks compute."""
 
-    def __init__(self, config: SchedulerConfig, eos_token_ids: list[int]) -> None:
+    def __init__(self, config: SchedulerLimits, eos_token_ids: list[int]) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -32,7 +32,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 @dataclass(frozen=True)
 class Flag:
-    """One config key on the command line: ``key`` is the config key ("server.port" for a server setting)."""
+    """One config setting on the command line: ``key`` is its dotted key ("cache.block_size", "server.port")."""
 
     key: str
     names: tuple[str, ...]
@@ -51,30 +51,31 @@ def _dtype(value: str) -> str:
 
 
 ENGINE_FLAGS: tuple[Flag, ...] = (
-    Flag("tensor_parallel_size", ("--tensor-parallel-size", "-tp"), int,
+    Flag("parallel.tensor_parallel_size", ("--tensor-parallel-size", "-tp"), int,
          "ranks the model is split over; `rtp serve` starts that many (default: torchrun's world size)"),
-    Flag("device", ("--device",), str, "auto (cuda when available), cpu or cuda", ("auto", "cpu", "cuda")),
-    Flag("dtype", ("--dtype",), _dtype, "auto (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else "
+    Flag("parallel.device", ("--device",), str, "auto (cuda when available), cpu or cuda", ("auto", "cpu", "cuda")),
+    Flag("model.dtype", ("--dtype",), _dtype, "auto (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else "
          "float32), float32, bfloat16, float16 (vLLM's half, float, bf16 accepted)",
          metavar="{auto,float32,bfloat16,float16}"),
-    Flag("block_size", ("--block-size",), int, "tokens per KV block, a power of two in 1..1024"),
-    Flag("max_num_seqs", ("--max-num-seqs",), int, "most sequences running at once"),
-    Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), int, "most query tokens in one step"),
-    Flag("max_model_len", ("--max-model-len",), int, "longest prompt + completion (default: the model's)"),
-    Flag("enable_prefix_caching", ("--enable-prefix-caching",), None, "reuse KV blocks of identical prefixes"),
-    Flag("expert_parallel", ("--enable-expert-parallel", "-ep"), None, "MoE: whole experts per rank"),
-    Flag("gpu_memory_utilization", ("--gpu-memory-utilization",), float,
+    Flag("cache.block_size", ("--block-size",), int, "tokens per KV block, a power of two in 1..1024"),
+    Flag("scheduler.max_num_seqs", ("--max-num-seqs",), int, "most sequences running at once"),
+    Flag("scheduler.max_num_batched_tokens", ("--max-num-batched-tokens",), int, "most query tokens in one step"),
+    Flag("model.max_model_len", ("--max-model-len",), int, "longest prompt + completion (default: the model's)"),
+    Flag("cache.enable_prefix_caching", ("--enable-prefix-caching",), None, "reuse KV blocks of identical prefixes"),
+    Flag("parallel.expert_parallel", ("--enable-expert-parallel", "-ep"), None, "MoE: whole experts per rank"),
+    Flag("cache.gpu_memory_utilization", ("--gpu-memory-utilization",), float,
          "fraction of each GPU's memory rtp may use, in (0, 1]"),
-    Flag("num_kv_blocks", ("--num-gpu-blocks-override", "--num-kv-blocks"), int,
+    Flag("cache.num_kv_blocks", ("--num-gpu-blocks-override", "--num-kv-blocks"), int,
          "fixed number of KV blocks per rank instead of the memory-based sizing"),
-    Flag("cpu_kv_cache_gib", ("--cpu-kv-cache-gib",), float, "KV cache per rank on CPU, in GiB"),
-    Flag("enforce_eager", ("--enforce-eager",), None, "no CUDA graphs"),
-    Flag("cuda_graph_max_batch", ("--max-cudagraph-capture-size",), int, "largest decode batch in a CUDA graph"),
-    Flag("shm_chunk_bytes", ("--shm-chunk-bytes",), int, "bytes per chunk of the step-plan ring"),
-    Flag("shm_num_chunks", ("--shm-num-chunks",), int, "chunks of the step-plan ring"),
-    Flag("liveness_timeout_s", ("--liveness-timeout-s",), float, "seconds without a heartbeat before a rank is hung"),
-    Flag("step_timeout_s", ("--step-timeout-s",), float, "seconds one step may run before it is reported stuck"),
-    Flag("seed", ("--seed",), int, "seed of the default random generator"),
+    Flag("cache.cpu_kv_cache_gib", ("--cpu-kv-cache-gib",), float, "KV cache per rank on CPU, in GiB"),
+    Flag("model.enforce_eager", ("--enforce-eager",), None, "no CUDA graphs"),
+    Flag("model.cuda_graph_max_batch", ("--max-cudagraph-capture-size",), int, "largest decode batch in a CUDA graph"),
+    Flag("parallel.shm_chunk_bytes", ("--shm-chunk-bytes",), int, "bytes per chunk of the step-plan ring"),
+    Flag("parallel.shm_num_chunks", ("--shm-num-chunks",), int, "chunks of the step-plan ring"),
+    Flag("liveness.timeout_s", ("--liveness-timeout-s",), float, "seconds without a heartbeat before a rank is hung"),
+    Flag("liveness.step_timeout_s", ("--step-timeout-s",), float,
+         "seconds one step may run before it is reported stuck"),
+    Flag("model.seed", ("--seed",), int, "seed of the default random generator"),
     Flag("log_level", ("--log-level",), str, "log level of rank 0", ("DEBUG", "INFO", "WARNING", "ERROR"),
          metavar="{DEBUG,INFO,WARNING,ERROR}"),
 )
@@ -110,8 +111,10 @@ def add_flags(ap: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
             ap.add_argument(*flag.names, dest=_dest(flag), action=argparse.BooleanOptionalAction, default=None,
                             help=help_text)
         else:
+            # The setting's own name (PORT, BLOCK_SIZE), not the dest argparse would show; choices show themselves.
+            metavar = flag.metavar or (None if flag.choices else flag.key.rpartition(".")[2].upper())
             ap.add_argument(*flag.names, dest=_dest(flag), type=flag.type, choices=flag.choices, default=None,
-                            metavar=flag.metavar, help=help_text)
+                            metavar=metavar, help=help_text)
 
 
 def given(args: argparse.Namespace, flags: Sequence[Flag]) -> list[tuple[Flag, Any]]:
@@ -120,7 +123,7 @@ def given(args: argparse.Namespace, flags: Sequence[Flag]) -> list[tuple[Flag, A
 
 
 def overrides(pairs: Sequence[tuple[Flag, Any]]) -> dict[str, Any]:
-    """``load_config`` keyword overrides for flag values: top-level keys plus a ``server`` mapping."""
+    """``load_config`` keyword overrides for flag values: a mapping per section, top-level keys as they are."""
     out: dict[str, Any] = {}
     for flag, value in pairs:
         section, _, name = flag.key.rpartition(".")
@@ -164,7 +167,9 @@ def load_config_from_args(args: argparse.Namespace, flags: Sequence[Flag], **ext
             merged.setdefault(key, {}).update({k: v for k, v in value.items() if v is not None})
         elif value is not None:
             merged[key] = value
-    return load_config(path, model=args.model, **merged)
+    if args.model is not None:
+        merged.setdefault("model", {})["path"] = args.model
+    return load_config(path, **merged)
 
 
 def api_key_from_env(args: argparse.Namespace) -> None:

@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from rtp.config import ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.core.step import CachedSeqs, StepPlan
 from rtp.distributed.parallel import ParallelState
 from rtp.fake_cuda.device import FakeCuda
 from rtp.fake_cuda.monitor import StepMonitor
-from rtp.fake_cuda.plans import PlanBuilder
+from rtp.fake_cuda.plans import ScriptedPlans
 from rtp.model import loader
 from rtp.runtime import model_runner
 from rtp.runtime.model_runner import ModelRunner
@@ -264,9 +265,13 @@ class _Counter:
 
 def build_runner(ps: ParallelState, model_dir: Path, case: Case) -> ModelRunner:
     """The runner as a GPU deployment builds it: bf16, KV cache sized from memory, CUDA graphs on."""
-    return ModelRunner(ps, model_dir, dtype="bfloat16", max_model_len=512, max_num_batched_tokens=256,
-                       max_num_seqs=32, enforce_eager=False, cuda_graph_max_batch=GRAPH_MAX_BATCH,
-                       expert_parallel=case.expert_parallel)
+    config = RtpConfig(
+        model=ModelConfig(dtype="bfloat16", max_model_len=512, enforce_eager=False,
+                          cuda_graph_max_batch=GRAPH_MAX_BATCH),
+        parallel=ParallelConfig(expert_parallel=case.expert_parallel),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32),
+    )
+    return ModelRunner(ps, model_dir, config)
 
 
 class _Steps:
@@ -275,7 +280,7 @@ class _Steps:
     def __init__(self, runner: ModelRunner, fake: FakeCuda, ps: ParallelState) -> None:
         self.runner, self.fake, self.ps = runner, fake, ps
         self.vocab = runner.spec.vocab_size
-        self.plans = PlanBuilder(runner.block_size, self.vocab)
+        self.plans = ScriptedPlans(runner.block_size, self.vocab)
         self.forward = _Counter(runner.model.forward)
         runner.model.forward = self.forward  # type: ignore[method-assign]
         self.logits: torch.Tensor | None = None  # rank 0: the last step's

@@ -21,8 +21,8 @@ class _Seq:
     blocks: list[int] = field(default_factory=list)
 
 
-class PlanBuilder:
-    """Hands out block ids and builds plans whose deltas match what each rank mirrors."""
+class ScriptedPlans:
+    """Plans scripted by the dry run instead of a scheduler: hands out block ids, builds matching deltas."""
 
     def __init__(self, block_size: int, vocab_size: int) -> None:
         self.block_size, self.vocab_size = block_size, vocab_size

@@ -12,7 +12,8 @@ in fp32 accumulation, for fp32/bf16/fp16 caches.
 Prompt chunks and mixed steps (:func:`paged_prefill_attention_cpu`) take the varlen kernel: one
 task per (sequence, KV head, chunk of 16 queries), an online softmax over the sequence's cached
 keys block by block (causal, so a chunk reads only the keys up to its last query), also straight
-from the paged cache: a cached prefix, earlier chunks and this step's own tokens alike.
+from the paged cache: a cached prefix, earlier chunks and this step's own tokens alike. Both read the
+cache through one ``PagedCache`` struct (pointers, geometry, strides, the block-table lookup).
 
 The source is compiled on first use by :func:`rtp.kernels.cpu_build.build` (about 30-60 s,
 cached). Without a C++ compiler, or if the build fails, :func:`load` returns None and the
@@ -36,20 +37,37 @@ _SOURCE = r"""
 #include <limits>
 #include <vector>
 
+// The paged KV cache as both kernels read it. k_cache, v_cache: [num_blocks, block_size, Hkv, D], unit
+// stride in D, the same strides for both (check_q_and_caches); block_tables: [B, max_blocks] int32.
+template <typename T>
+struct PagedCache {
+  const T* k;
+  const T* v;
+  const int32_t* tables;
+  int64_t block_size, num_kv_heads, block_stride, slot_stride, head_stride, max_blocks;
+
+  PagedCache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables)
+      : k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()), tables(block_tables.data_ptr<int32_t>()),
+        block_size(k_cache.size(1)), num_kv_heads(k_cache.size(2)), block_stride(k_cache.stride(0)),
+        slot_stride(k_cache.stride(1)), head_stride(k_cache.stride(2)), max_blocks(block_tables.size(1)) {}
+
+  // Element offset of KV head h, slot 0, in the block that holds token t of sequence b; token t0 + j
+  // of that block (t0 a multiple of block_size) is j * slot_stride further.
+  int64_t block_offset(int64_t b, int64_t t, int64_t h) const {
+    return static_cast<int64_t>(tables[b * max_blocks + t / block_size]) * block_stride + h * head_stride;
+  }
+};
+
 template <typename T>
 static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
                         double scale) {
   // q, out: [B, Hq, D] contiguous; caches: [num_blocks, block_size, Hkv, D], unit stride in D;
   // block_tables: [B, max_blocks] int32; context_lens: [B] int32.
+  const PagedCache<T> cache(k_cache, v_cache, block_tables);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), rep = Hq / Hkv;
-  const int64_t sb = k_cache.stride(0), st = k_cache.stride(1), sh = k_cache.stride(2);
-  const int64_t max_blocks = block_tables.size(1);
+  const int64_t block_size = cache.block_size, Hkv = cache.num_kv_heads, rep = Hq / Hkv, st = cache.slot_stride;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
@@ -58,14 +76,13 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t len = lens[b];
-      const int32_t* table = tables + b * max_blocks;
       scores.resize(rep * std::max<int64_t>(len, 1));
       for (int64_t r = 0; r < rep; ++r)
         for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(qp[(b * Hq + h * rep + r) * D + d]) * fscale;
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
       // Scores: q . k for every key, block by block.
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* kb = kp + static_cast<int64_t>(table[t0 / block_size]) * sb + h * sh;
+        const T* kb = cache.k + cache.block_offset(b, t0, h);
         const int64_t n = std::min(block_size, len - t0);
         for (int64_t j = 0; j < n; ++j) {
           const T* k = kb + j * st;
@@ -91,7 +108,7 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
       // Output: the softmax-weighted sum of the values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* vb = vp + static_cast<int64_t>(table[t0 / block_size]) * sb + h * sh;
+        const T* vb = cache.v + cache.block_offset(b, t0, h);
         const int64_t n = std::min(block_size, len - t0);
         for (int64_t j = 0; j < n; ++j) {
           const T* v = vb + j * st;
@@ -142,14 +159,10 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
   // its k_lens[b] cached keys (positions k_len - q_len ..), causal. One task per (sequence, KV head,
   // chunk of QC queries): an online softmax over the keys, block by block, in fp32.
   constexpr int64_t QC = 16;
+  const PagedCache<T> cache(k_cache, v_cache, block_tables);
   const int64_t B = k_lens.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), rep = Hq / Hkv;
-  const int64_t sb = k_cache.stride(0), st = k_cache.stride(1), sh = k_cache.stride(2);
-  const int64_t max_blocks = block_tables.size(1);
+  const int64_t block_size = cache.block_size, Hkv = cache.num_kv_heads, rep = Hq / Hkv, st = cache.slot_stride;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* cu = cu_q.data_ptr<int32_t>();
   const int32_t* lens = k_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
@@ -167,7 +180,6 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
       const int64_t c = task / Hkv, h = task % Hkv, b = task_seq[c], q0 = task_q0[c];
       const int64_t qn = std::min<int64_t>(QC, cu[b + 1] - q0);
       const int64_t k_len = lens[b], first_pos = k_len - (cu[b + 1] - cu[b]);  // position of query cu[b]
-      const int32_t* table = tables + b * max_blocks;
       const int64_t rows = qn * rep;  // row i = (query i / rep, head h * rep + i % rep)
       for (int64_t i = 0; i < rows; ++i) {
         const T* src = qp + ((q0 + i / rep) * Hq + h * rep + i % rep) * D;
@@ -179,10 +191,10 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
       const int64_t last_pos = first_pos + (q0 - cu[b]) + qn - 1;  // the chunk's last query sees keys <= it
       for (int64_t t0 = 0; t0 <= last_pos; t0 += block_size) {
         const int64_t n = std::min(block_size, last_pos + 1 - t0);
-        const int64_t blk = table[t0 / block_size];
+        const int64_t base = cache.block_offset(b, t0, h);
         for (int64_t j = 0; j < n; ++j) {
-          const T* k = kp + blk * sb + j * st + h * sh;
-          const T* v = vp + blk * sb + j * st + h * sh;
+          const T* k = cache.k + base + j * st;
+          const T* v = cache.v + base + j * st;
           for (int64_t d = 0; d < D; ++d) {
             kf[j * D + d] = static_cast<float>(k[d]);
             vf[j * D + d] = static_cast<float>(v[d]);

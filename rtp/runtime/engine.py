@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from rtp.config import RtpConfig
-from rtp.core.scheduler import Scheduler, SchedulerConfig, ScheduleResult
+from rtp.core.scheduler import Scheduler, ScheduleResult, SchedulerLimits
 from rtp.core.sequence import Sequence
 from rtp.core.step import StepPlan
 from rtp.errors import RequestError
@@ -77,17 +77,17 @@ class Engine:
         self.inputs = InputProcessor(self.model_info)
         self._token_decoder = TokenDecoder(self.tokenizer)  # shared by every request's detokenizer
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+            SchedulerLimits(
+                max_num_seqs=config.scheduler.max_num_seqs,
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 block_size=runner.block_size,
                 num_blocks=runner.num_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=config.cache.enable_prefix_caching,
             ),
             self.eos_token_ids,
         )
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed)
         self.outputs = OutputProcessor(self.scheduler.finish, self._release_id)  # owned by the stepping thread
         self._seq_ids = itertools.count()
         self._lock = threading.Lock()  # guards the inbox and the live ids

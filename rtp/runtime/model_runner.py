@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig
 
+from rtp.config import RtpConfig
 from rtp.core.step import StepPlan
 from rtp.distributed.parallel import ParallelState
 from rtp.errors import ConfigError
@@ -133,55 +134,47 @@ def load_model(
 class ModelRunner:
     """Owns this rank's model slice, KV cache and batch mirror; runs one step per plan."""
 
-    def __init__(
-        self,
-        ps: ParallelState,
-        model_dir: str | Path,
-        *,
-        dtype: str = "auto",
-        block_size: int | None = None,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 8192,
-        max_num_seqs: int = 256,
-        num_kv_blocks: int | None = None,
-        cpu_kv_cache_gib: float = 1.0,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = True,
-        cuda_graph_max_batch: int = 256,
-        expert_parallel: bool = False,
-    ) -> None:
+    def __init__(self, ps: ParallelState, model_dir: str | Path, config: RtpConfig) -> None:
+        """Build from ``config``'s model (dtype, max_model_len, CUDA graphs), cache and scheduler sections.
+
+        ``config.model.path`` is not read: ``model_dir`` is the folder the caller resolved it to.
+        """
+        model_config, cache = config.model, config.cache
+        max_num_seqs = config.scheduler.max_num_seqs
         self.ps = ps
         self.max_num_seqs = max_num_seqs
-        self.dtype = resolve_dtype(dtype, ps.device)
+        self.dtype = resolve_dtype(model_config.dtype, ps.device)
         self.attn_backend = choose_attn_backend(ps.device, self.dtype)  # "flash", "triton", "cpu" or "torch"
-        block_size = block_size or (256 if self.attn_backend == "flash" else 16)
+        block_size = cache.block_size or (256 if self.attn_backend == "flash" else 16)
         if self.attn_backend == "flash" and block_size % 256:
             raise ConfigError(f"block_size={block_size} is invalid with flash-attn: paged KV needs a multiple of 256")
         if ps.device.type == "cuda" and self.attn_backend == "torch":
             logger.warning("neither flash-attn (not installed, dtype %s, or pre-Ampere GPU) nor triton is usable "
                            "here: using the slow torch attention", self.dtype)
-        self.model, self.load_report = load_model(model_dir, ps, self.dtype, max_model_len, expert_parallel)
+        self.model, self.load_report = load_model(model_dir, ps, self.dtype, model_config.max_model_len,
+                                                  config.parallel.expert_parallel)
         self.spec = self.model.spec
-        self.max_model_len = max_model_len or self.spec.max_position_embeddings
+        self.max_model_len = model_config.max_model_len or self.spec.max_position_embeddings
         self.block_size = block_size
         layers = self.model.attention_layers()
         for attn in layers:
             attn.backend = self.attn_backend
         peak = 0
-        if ps.device.type == "cuda" and num_kv_blocks is None:
-            peak = self._profile_peak(max_num_batched_tokens)
+        if ps.device.type == "cuda" and cache.num_kv_blocks is None:
+            peak = self._profile_peak(config.scheduler.max_num_batched_tokens)
         per_block = bytes_per_block(layers, block_size, self.dtype)
         self.num_blocks = plan_num_blocks(
-            ps, per_block, fixed=num_kv_blocks, cpu_cache_gib=cpu_kv_cache_gib,
-            gpu_memory_utilization=gpu_memory_utilization, peak_bytes=peak,
+            ps, per_block, fixed=cache.num_kv_blocks, cpu_cache_gib=cache.cpu_kv_cache_gib,
+            gpu_memory_utilization=cache.gpu_memory_utilization, peak_bytes=peak,
         )
         allocate_kv_cache(layers, self.num_blocks, block_size, self.dtype, ps.device)
         self.mirror = BatchMirror(block_size)
         self.graphs: CudaGraphs | None = None
-        if self.attn_backend in ("flash", "triton") and not enforce_eager:  # both decode paths are capturable
+        if self.attn_backend in ("flash", "triton") and not model_config.enforce_eager:  # both decode paths capturable
             max_blocks = -(-self.max_model_len // block_size)
+            max_batch = min(model_config.cuda_graph_max_batch, max_num_seqs)  # no decode batch is larger
             self.graphs = CudaGraphs(
-                self.model, ps.device, cuda_graph_max_batch, max_blocks, self.spec.hidden_size, self.dtype
+                self.model, ps.device, max_batch, max_blocks, self.spec.hidden_size, self.dtype
             )
 
     def close(self) -> None:

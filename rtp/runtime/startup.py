@@ -48,7 +48,7 @@ logger = get_logger(__name__)
 
 def start(config: RtpConfig, model_dir: Path) -> Runtime:
     """Bring up this rank. Rank 0 returns its Runtime; other ranks serve and exit the process."""
-    ps = ParallelState.from_env(config.device, timeout_s=max(config.liveness_timeout_s, 60.0))
+    ps = ParallelState.from_env(config.parallel.device, timeout_s=max(config.liveness.timeout_s, 60.0))
     setup_logging(ps.rank, config.log_level)
     resolve_tp_size(config, ps.world_size)
     step_delay = StepDelay.from_env()
@@ -93,7 +93,7 @@ def _start_liveness(config: RtpConfig, ps: ParallelState, pids: list[int]) -> tu
     They start before the model loads, so a rank lost during the load is
     caught too; until rank 0's Runtime takes over, a failure just logs and exits.
     """
-    timeout = config.liveness_timeout_s
+    timeout = config.liveness.timeout_s
     if ps.world_size > 1:
         heartbeat = Heartbeat.shared(ps, interval_for(timeout), timeout)
     else:
@@ -113,7 +113,7 @@ def _start_liveness(config: RtpConfig, ps: ParallelState, pids: list[int]) -> tu
     watchdog = Watchdog(
         ps.rank, {r: pid for r, pid in enumerate(pids) if r != ps.rank and r in local}, on_failure,
         heartbeat=heartbeat, parent_pid=ps.launcher_pid,
-        step_timeout_s=config.step_timeout_s if ps.rank == 0 else None, remote=remote,
+        step_timeout_s=config.liveness.step_timeout_s if ps.rank == 0 else None, remote=remote,
     )
     return heartbeat, watchdog.start()
 
@@ -130,19 +130,13 @@ def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int
         # Layers' all-reduces and the logits gather go through shared memory instead of gloo.
         # Lost peers fail a collective through the heartbeat and should_abort; the last-resort timeout
         # comes after the stuck-step bound, so a slow step is reported as stuck, with stacks.
-        last_resort = (config.step_timeout_s + config.liveness_timeout_s if config.step_timeout_s
-                       else max(config.liveness_timeout_s, 60.0))
+        liveness = config.liveness
+        last_resort = (liveness.step_timeout_s + liveness.timeout_s if liveness.step_timeout_s
+                       else max(liveness.timeout_s, 60.0))
         ps.node_reduce = shm_allreduce.create_and_attach(
             ps, pids, last_resort, heartbeat=heartbeat, should_abort=watchdog.abort_reason
         )
-    runner = ModelRunner(
-        ps, model_dir, dtype=config.dtype, block_size=config.block_size, max_model_len=config.max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-        num_kv_blocks=config.num_kv_blocks,
-        cpu_kv_cache_gib=config.cpu_kv_cache_gib, gpu_memory_utilization=config.gpu_memory_utilization,
-        enforce_eager=config.enforce_eager, cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
-        expert_parallel=config.expert_parallel,
-    )
+    runner = ModelRunner(ps, model_dir, config)
     if ps.world_size == 1:
         transport = _transport(config, ps, None, watchdog, heartbeat, step_delay, None, runner)
         return _runtime(config, runner, model_dir, transport)  # the transport tracks the steps
@@ -153,8 +147,8 @@ def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int
     if leader and num_local > 1:
         try:
             cleanup_stale_segments()  # segments of crashed runs: removed, each one logged
-            channel = ShmChannel.create(make_segment_name(), num_local - 1, config.shm_chunk_bytes,
-                                        config.shm_num_chunks)
+            channel = ShmChannel.create(make_segment_name(), num_local - 1, config.parallel.shm_chunk_bytes,
+                                        config.parallel.shm_num_chunks)
         except BaseException:
             ps.node_broadcast_object("")  # tell the node's workers waiting for the name to give up
             raise

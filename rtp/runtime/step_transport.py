@@ -70,7 +70,8 @@ class StepTransport:
         if self.channel is not None:
             # A full ring with live, beating readers that never read is a stuck step; outside a
             # step (SHUTDOWN) readers that fail to read for a liveness timeout are as good as gone.
-            timeout = self.config.step_timeout_s if step is not None else self.config.liveness_timeout_s
+            liveness = self.config.liveness
+            timeout = liveness.step_timeout_s if step is not None else liveness.timeout_s
             data = encode(plan)
             self.channel.write(data, timeout=timeout, should_abort=self._aborted)
             if self.relay is not None:

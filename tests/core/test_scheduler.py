@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from rtp.core.block_manager import hash_block
-from rtp.core.scheduler import Scheduler, SchedulerConfig, ScheduleResult
+from rtp.core.scheduler import Scheduler, ScheduleResult, SchedulerLimits
 from rtp.core.sequence import Sequence, SequenceStatus
 from rtp.errors import ConfigError, RequestError
 from rtp.sampling import SamplingParams
@@ -149,7 +149,7 @@ def make(
     max_model_len: int = 64,
     caching: bool = True,
 ) -> tuple[Scheduler, World]:
-    cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, block_size, num_blocks, caching)
+    cfg = SchedulerLimits(max_num_seqs, budget, max_model_len, block_size, num_blocks, caching)
     sched = Scheduler(cfg, [EOS])
     return sched, World(sched)
 
@@ -173,9 +173,9 @@ def run_to_end(sched: Scheduler, world: World, all_seqs: list[Sequence], max_ste
 
 def test_config_validation() -> None:
     with pytest.raises(ConfigError, match="block_size"):
-        SchedulerConfig(4, 64, 64, 0, 16)
+        SchedulerLimits(4, 64, 64, 0, 16)
     with pytest.raises(ConfigError, match="num_blocks"):
-        SchedulerConfig(4, 64, 64, 4, True)  # type: ignore[arg-type]
+        SchedulerLimits(4, 64, 64, 4, True)  # type: ignore[arg-type]
 
 
 def test_rejects_never_fitting_requests() -> None:
@@ -672,7 +672,7 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 
 
 def test_prompt_logprob_positions_per_step_are_capped() -> None:
-    cfg = SchedulerConfig(4, 64, 64, 4, 32, True, max_prompt_logit_rows=8)
+    cfg = SchedulerLimits(4, 64, 64, 4, 32, True, max_prompt_logit_rows=8)
     sched = Scheduler(cfg, [EOS])
     world = World(sched)
     wants = [seq(1, list(range(1, 21)), max_tokens=2, prompt_logprobs=1),
@@ -699,4 +699,4 @@ def test_prompt_logprob_positions_per_step_are_capped() -> None:
 
 def test_prompt_logit_rows_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="max_prompt_logit_rows"):
-        SchedulerConfig(4, 64, 64, 4, 32, True, max_prompt_logit_rows=0)
+        SchedulerLimits(4, 64, 64, 4, 32, True, max_prompt_logit_rows=0)

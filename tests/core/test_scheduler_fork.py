@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtp.core.scheduler import Scheduler, SchedulerConfig
+from rtp.core.scheduler import Scheduler, SchedulerLimits
 from rtp.core.sequence import Sequence
 from rtp.sampling import SamplingParams
 from tests.core.test_scheduler import World, check_invariants
@@ -13,7 +13,7 @@ BS = 4
 
 
 def make(num_blocks: int = 32, budget: int = 64, caching: bool = True) -> tuple[Scheduler, World]:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=128,
+    sched = Scheduler(SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=128,
                                       block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching), [0])
     return sched, World(sched)
 

@@ -19,6 +19,7 @@ from unittest import mock
 
 import torch
 
+from rtp.config import CacheConfig, ModelConfig, RtpConfig
 from rtp.kernels.kv_store import store_kv_reference, store_kv_triton
 from rtp.kernels.paged_attention import (
     paged_decode_attention,
@@ -170,8 +171,9 @@ def runner_logits(model_dir: Path, backend: str, eager: bool, device: torch.devi
 
     # The runner would pick flash-attn where installed, and never Triton on CPU: pin the backend under test.
     with mock.patch("rtp.runtime.model_runner.choose_attn_backend", return_value=backend):
-        runner = ModelRunner(ParallelState.single(device.type), model_dir, dtype=dtype, num_kv_blocks=16,
-                             enforce_eager=eager, cuda_graph_max_batch=8)
+        config = RtpConfig(model=ModelConfig(dtype=dtype, enforce_eager=eager, cuda_graph_max_batch=8),
+                           cache=CacheConfig(num_kv_blocks=16))
+        runner = ModelRunner(ParallelState.single(device.type), model_dir, config)
     try:
         assert runner.block_size == 16, f"default block size {runner.block_size} without flash-attn"
         assert {a.backend for a in runner.model.attention_layers()} == {backend}

@@ -11,8 +11,9 @@ import torch
 from rtp.kernels import paged_attention
 from rtp.kernels.paged_attention import paged_decode_attention_reference, paged_prefill_attention_reference
 from rtp.model import attention
-from rtp.model.attention import choose_attn_backend
+from rtp.model.attention import PagedAttention, choose_attn_backend
 from tests.kernels.paged_attention_cases import CPU_CASES
+from tests.kernels.paged_attention_cases import step_metadata as _meta
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,3 +76,35 @@ def test_backend_choice(monkeypatch):
             torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     torch.testing.assert_close(paged_attention.paged_decode_attention(*args, 1.0),
                                paged_decode_attention_reference(*args, 4, 1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not paged_attention.triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 128), (4, 4, 80)])  # GQA; MHA with a head_dim padded to 128
+@pytest.mark.parametrize(
+    "q_lens, k_lens",
+    [([5, 1, 300], [5, 40, 600]), ([1, 1, 1, 1], [7, 16, 17, 1025]), ([1, 64, 1, 33], [16, 64, 1, 97])],
+)
+def test_triton_attention_matches_torch_path(q_lens, k_lens, hq, hkv, d):
+    torch.manual_seed(0)
+    dev, bs = torch.device("cuda"), 16
+    need = [-(-k // bs) for k in k_lens]
+    perm = torch.randperm(sum(need) + 4).tolist()  # shuffled, disjoint block tables
+    tables = [perm[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
+    attn = PagedAttention(hq, hkv, d, d**-0.5)
+    attn.backend = "triton"
+    attn.k_cache = torch.randn(len(perm), bs, hkv, d, device=dev, dtype=torch.bfloat16)
+    attn.v_cache = torch.randn_like(attn.k_cache)
+    t = sum(q_lens)
+    q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    meta = _meta(q_lens, k_lens, tables, bs, dev)
+    out = attn(q, k, v, meta)  # stores k/v into the cache (Triton), then attends (Triton)
+    assert torch.equal(attn.k_cache.view(-1, hkv, d)[meta.slot_mapping], k)
+    assert torch.equal(attn.v_cache.view(-1, hkv, d)[meta.slot_mapping], v)
+    attn.k_cache, attn.v_cache = attn.k_cache.float(), attn.v_cache.float()
+    ref = attn._torch(q.float(), k.float(), v.float(), meta, True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -11,7 +11,7 @@ import pytest
 
 from rtp.core.block_manager import BlockManager
 from rtp.core.plan_builder import PlanBuilder
-from rtp.core.scheduler import Scheduler, SchedulerConfig
+from rtp.core.scheduler import Scheduler, SchedulerLimits
 from rtp.core.sequence import Sequence
 from rtp.core.step import CachedSeq, NewSeq, StepPlan, decode, encode
 from rtp.runtime.batch import BatchMirror, MirroredSeq
@@ -46,7 +46,7 @@ def assert_same_inputs(a, b) -> None:
 def test_mirror_rebuilds_the_schedulers_batch(seed):
     rng = random.Random(seed)
     block_size = 4
-    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128,
+    sched = Scheduler(SchedulerLimits(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128,
                                       block_size=block_size, num_blocks=20), eos_token_ids=[0])
     mirror = BatchMirror(block_size, rows=1)  # a worker, starting small so that its arrays must grow
     rank0 = BatchMirror(block_size)  # rank 0 applies the plan object itself, not its decoded copy

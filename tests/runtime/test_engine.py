@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rtp.config import RtpConfig
+from rtp.config import ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.errors import RequestError
 from rtp.runtime.batch import BatchMirror
 from rtp.runtime.engine import Engine
@@ -56,8 +56,9 @@ def model_dir():
 
 
 def make_engine(model_dir, script, **kw) -> Engine:
-    return Engine(RtpConfig(device="cpu", max_num_batched_tokens=64, max_num_seqs=8), ScriptedRunner(script, **kw),
-                  model_dir)
+    config = RtpConfig(parallel=ParallelConfig(device="cpu"),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
+    return Engine(config, ScriptedRunner(script, **kw), model_dir)
 
 
 def run(engine: Engine) -> dict:

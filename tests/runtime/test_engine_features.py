@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rtp.config import RtpConfig
+from rtp.config import CacheConfig, ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.distributed.parallel import ParallelState
 from rtp.runtime.engine import Engine
 from rtp.runtime.model_runner import ModelRunner
@@ -31,10 +31,12 @@ def hf(model_dir):
 
 
 def make_engine(model_dir, *, caching: bool = False, budget: int = 256, blocks: int = 64) -> Engine:
-    runner = ModelRunner(ParallelState.single("cpu"), model_dir, dtype="float32", block_size=BLOCK,
-                         num_kv_blocks=blocks, max_num_batched_tokens=budget)
-    config = RtpConfig(device="cpu", dtype="float32", max_num_batched_tokens=budget, max_num_seqs=16,
-                       enable_prefix_caching=caching)
+    config = RtpConfig(
+        model=ModelConfig(dtype="float32"), parallel=ParallelConfig(device="cpu"),
+        cache=CacheConfig(block_size=BLOCK, num_kv_blocks=blocks, enable_prefix_caching=caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16),
+    )
+    runner = ModelRunner(ParallelState.single("cpu"), model_dir, config)
     return Engine(config, runner, model_dir)
 
 

@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from rtp.config import CacheConfig, ModelConfig, ParallelConfig, RtpConfig
 from rtp.core.step import CachedSeq, NewSeq, StepPlan
 from rtp.distributed.parallel import ParallelState
 from rtp.runtime.model_runner import ModelRunner
@@ -42,8 +43,10 @@ def run_model(
     ps: ParallelState, model_dir: str, prompts: list[list[int]], steps: int, expert_parallel: bool = False,
     mixed: bool = False, dtype: str = "float32",
 ) -> dict:
-    runner = ModelRunner(ps, model_dir, dtype=dtype, block_size=BLOCK, num_kv_blocks=512,
-                         expert_parallel=expert_parallel)
+    config = RtpConfig(model=ModelConfig(dtype=dtype, enforce_eager=True),
+                       parallel=ParallelConfig(expert_parallel=expert_parallel),
+                       cache=CacheConfig(block_size=BLOCK, num_kv_blocks=512))
+    runner = ModelRunner(ps, model_dir, config)
     # Each sequence gets its own blocks, in reverse order so the block table is not the identity.
     tables, next_block = [], 511
     for p in prompts:
