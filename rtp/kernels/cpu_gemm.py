@@ -103,8 +103,7 @@ static void gemm_impl(const float* x, const W* wp, const float* bias, float* y, 
         // memory time plus the compute time, not the larger of the two. So the row tiles prefetch the
         // next K slice (this thread's panels are one contiguous range), one line per k, shared out
         // between the tiles: 1.05-1.2x at 8-24 rows on a 28-layer Qwen3-0.6B stack (a whole decode step
-        // at 8 sequences ~1.05x); prompt steps
-        // compute enough per line and do not prefetch.
+        // at 8 sequences ~1.05x). Prompt steps compute enough per line and do not prefetch.
         const int64_t tiles = (M + MR - 1) / MR;
         const int64_t lines = M > PF_MAX_ROWS ? 0 : kc * NR * (int64_t)sizeof(W) / 64;
         const int64_t per_tile = (lines + tiles - 1) / tiles;
