@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import sys
 
-_FORMAT = "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"
+_FORMAT = "%(asctime)s [%(rank)s] %(levelname)s %(name)s: %(message)s"
 
 
 class _RankFilter(logging.Filter):
-    def __init__(self, rank: int) -> None:
+    def __init__(self, label: str) -> None:
         super().__init__()
-        self.rank = rank
+        self.rank = label
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = self.rank
@@ -27,11 +27,12 @@ class RtpLogHandler(logging.StreamHandler):
     """The handler setup_logging installs (replaced, not duplicated, when it is called again)."""
 
 
-def setup_logging(rank: int = 0, level: str = "INFO") -> None:
+def setup_logging(rank: int = 0, level: str = "INFO", label: str | None = None) -> None:
     """Configure the ``rtp`` logger tree for this process.
 
     Rank 0 logs at ``level``; other ranks log warnings and errors only, so a
-    run with eight ranks does not print everything eight times.
+    run with eight ranks does not print everything eight times. Lines are
+    prefixed ``[rankN]``, or ``[label]`` when given (an API frontend: ``[api0]``).
     """
     root = logging.getLogger("rtp")
     effective = getattr(logging, level.upper()) if rank == 0 else max(logging.WARNING, getattr(logging, level.upper()))
@@ -41,6 +42,6 @@ def setup_logging(rank: int = 0, level: str = "INFO") -> None:
             root.removeHandler(old)
     handler = RtpLogHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
-    handler.addFilter(_RankFilter(rank))
+    handler.addFilter(_RankFilter(label or f"rank{rank}"))
     root.addHandler(handler)
     root.propagate = False

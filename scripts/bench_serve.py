@@ -110,10 +110,16 @@ class ServerProcess:
             self.proc.wait(30)
 
 
-def start_rtp(model: str, tp: int, dtype: str, port: int, log: Path, extra: list[str]) -> ServerProcess:
+def start_rtp(model: str, tp: int, dtype: str, port: int, log: Path, extra: list[str],
+              api_processes: int | None = None) -> ServerProcess:
+    """rtp's server; ``api_processes`` HTTP frontend processes (None: rtp's default for the core count),
+    each of which gets one core the ranks' threads leave free."""
     cmd = [sys.executable, "-m", "rtp.launcher", "serve", model, "--tensor-parallel-size", str(tp), "--dtype", dtype,
            "--port", str(port), "--log-level", "WARNING", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // tp)))
+    if api_processes is not None:
+        cmd += ["--api-server-count", str(api_processes)]
+    cores = len(os.sched_getaffinity(0)) - (api_processes or 0)
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // tp)))
     return ServerProcess(f"rtp TP={tp}", cmd, env, log)
 
 
@@ -289,6 +295,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     ap.add_argument("--rtp-arg", action="append", default=[], help="extra flag for rtp serve (repeatable)")
+    ap.add_argument("--api-server-count", type=int, default=None,
+                    help="rtp's HTTP frontend processes (0: HTTP in rank 0's process; default: rtp's choice)")
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra flag for vLLM's server (repeatable)")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     ap.add_argument("--client-timeout", type=float, default=3600.0, help="seconds one client run may take")
@@ -312,7 +320,8 @@ def main() -> int:
     if not args.skip_rtp:
         for tp in (int(t) for t in args.tp.split(",")):
             port = free_port()
-            server = start_rtp(model, tp, args.dtype, port, out_dir / f"rtp_tp{tp}.log", args.rtp_arg)
+            server = start_rtp(model, tp, args.dtype, port, out_dir / f"rtp_tp{tp}.log", args.rtp_arg,
+                               args.api_server_count)
             results.append(bench_one(f"rtp TP={tp}", server, f"http://127.0.0.1:{port}", model, served, vocab,
                                      args, out_dir))
             print(f"{results[-1]}", flush=True)

@@ -180,6 +180,9 @@ class ServerConfig(Section):
     """"hermes" (or its alias "qwen3") parses <tool_call> blocks into tool_calls (vLLM's --tool-call-parser)."""
     enable_auto_tool_choice: bool = setting(False, BOOL)
     """Allow tool_choice "auto" (the default with tools); needs tool_call_parser, as in vLLM."""
+    api_processes: int | None = setting(None, integer(0, 64, nullable=True))
+    """HTTP frontend processes (vLLM's --api-server-count), 0..64: 0 serves HTTP in rank 0's own process,
+    N >= 1 runs N frontends beside rank 0's engine loop; None: 1 on a machine with 4 or more cores, else 0."""
 
     @classmethod
     def joint_rule(cls, values: Mapping[str, Any], key_of: Callable[[str], str]) -> tuple[str, str] | None:

@@ -96,6 +96,8 @@ SERVER_FLAGS: tuple[Flag, ...] = (
          ("hermes", "qwen3")),
     Flag("server.enable_auto_tool_choice", ("--enable-auto-tool-choice",), None,
          'allow tool_choice "auto", the default with tools; needs --tool-call-parser'),
+    Flag("server.api_processes", ("--api-server-count", "--api-processes"), int,
+         "HTTP frontend processes beside the engine; 0 serves HTTP in rank 0's process (default: by core count)"),
 )
 
 

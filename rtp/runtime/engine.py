@@ -76,6 +76,8 @@ class Engine:
         self.max_model_len = self.model_info.max_model_len
         self.inputs = InputProcessor(self.model_info)
         self._token_decoder = TokenDecoder(self.tokenizer)  # shared by every request's detokenizer
+        self.text_outputs = True
+        """False: outputs carry token ids only, no text and no stop strings (the API frontends make the text)."""
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.scheduler.max_num_seqs,
@@ -119,7 +121,8 @@ class Engine:
                                      prompt_logprobs=None)
             seqs.append(Sequence(next(self._seq_ids), ids, sp, arrival_time=arrival))
         req = RequestState.create(request_id, prompt if isinstance(prompt, str) else None, seqs,
-                                  self._token_decoder, self.inputs.bad_words_ids(params))
+                                  self._token_decoder if self.text_outputs else None,
+                                  self.inputs.bad_words_ids(params))
         with self._lock:  # reserve the id last: nothing after this can fail
             if request_id in self._live_ids:
                 raise RequestError(f"request id {request_id!r} is already in use")

@@ -39,7 +39,8 @@ class SampleState:
 
     request: RequestState
     seq: Sequence
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None
+    """None when the engine makes no text (API frontends detokenize and match stop strings)."""
     out: CompletionOutput | RequestOutput
     """Where this sample's tokens and text go: the request's own output when n == 1."""
     penalty: PenaltyState | None
@@ -76,9 +77,11 @@ class RequestState:
         return self.output.request_id
 
     @classmethod
-    def create(cls, request_id: str, prompt: str | None, seqs: list[Sequence], decoder: TokenDecoder,
+    def create(cls, request_id: str, prompt: str | None, seqs: list[Sequence], decoder: TokenDecoder | None,
                bad_words: list[list[int]] | None) -> RequestState:
         """The state of a request whose samples are ``seqs`` (one per sample, all with the same prompt).
+
+        With ``decoder`` None the outputs carry token ids only: no text, no stop strings.
 
         Each sample's constraint factory runs here, in the submitting thread, not in the step loop.
         """
@@ -95,7 +98,8 @@ class RequestState:
             p = seq.params
             out: CompletionOutput | RequestOutput = comps[i] if multi else output
             constraint = p.constraint() if p.constraint is not None else None
-            req.samples.append(SampleState(req, seq, IncrementalDetokenizer(decoder, ids, p), out,
+            detok = IncrementalDetokenizer(decoder, ids, p) if decoder is not None else None
+            req.samples.append(SampleState(req, seq, detok, out,
                                            PenaltyState() if p.has_penalties else None, constraint, bad_words))
         req.pending_forks = req.samples[1:]
         if multi:
@@ -190,19 +194,22 @@ class OutputProcessor:
             request_out.first_token_time = now
         delta = ""
         detok = smp.detok
-        for token in tokens if seq.status is not _FINISHED or seq.finish_reason != "stop" else tokens[:-1]:
-            text, stopped = detok.add(token)
-            delta += text
-            if stopped:  # a stop string wins over reaching max_tokens on the same token
-                self._finish_seq(seq.seq_id, "stop")
-                seq.finish_reason = "stop"
-                break
+        if detok is not None:
+            for token in tokens if seq.status is not _FINISHED or seq.finish_reason != "stop" else tokens[:-1]:
+                text, stopped = detok.add(token)
+                delta += text
+                if stopped:  # a stop string wins over reaching max_tokens on the same token
+                    self._finish_seq(seq.seq_id, "stop")
+                    seq.finish_reason = "stop"
+                    break
         finished = seq.status is _FINISHED
         if finished:
-            delta += detok.flush()
+            if detok is not None:
+                delta += detok.flush()
             out.finish_reason = seq.finish_reason
             req.num_unfinished -= 1
-        out.new_text, out.text = delta, detok.text
+        if detok is not None:
+            out.new_text, out.text = delta, detok.text
         if out is not request_out and smp is req.samples[0]:  # n > 1: sample 0 is the request's flat fields
             request_out.text, request_out.new_text, request_out.new_token_ids = out.text, delta, tokens
         if finished and req.num_unfinished == 0:

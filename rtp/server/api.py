@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rtp.config import RtpConfig
 from rtp.log import get_logger
 from rtp.runtime.model_info import ModelInfo
-from rtp.server.async_engine import AsyncEngine
+from rtp.server.async_engine import ServingEngine
 from rtp.server.context import ServerContext
 from rtp.server.http_errors import ClientGone, param_of
 from rtp.server.protocol import ApiError
@@ -40,7 +40,7 @@ from rtp.server.schemas import install_openapi
 logger = get_logger(__name__)
 
 
-def build_app(async_engine: AsyncEngine, config: RtpConfig, info: ModelInfo) -> FastAPI:
+def build_app(async_engine: ServingEngine, config: RtpConfig, info: ModelInfo) -> FastAPI:
     """The FastAPI app serving ``async_engine`` for the model ``info``; its lifespan starts and stops the
     engine thread."""
     ctx = ServerContext(async_engine, config.server, info)

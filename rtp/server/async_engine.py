@@ -58,10 +58,36 @@ class ServerShuttingDownError(RtpError):
     """The server is stopping and the request did not finish within the shutdown grace period."""
 
 
+class StreamOwner(Protocol):
+    """What a RequestStream reports to when it closes: AsyncEngine, or an API frontend's EngineClient."""
+
+    def _forget(self, request_id: str, abort: bool) -> None: ...
+
+
+class ServingEngine(StreamOwner, Protocol):
+    """What the HTTP app serves from: AsyncEngine in rank 0's process, EngineClient in a frontend process."""
+
+    failure: str | None
+    stats: dict[str, float]
+
+    @property
+    def running(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 30.0) -> None: ...
+
+    def abort_all(self, message: str = ...) -> int: ...
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]: ...
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream: ...
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator; ``close()`` aborts it if unfinished."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, owner: StreamOwner, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

@@ -27,7 +27,7 @@ from rtp.config import ServerConfig
 from rtp.outputs import RequestOutput
 from rtp.runtime.model_info import ModelInfo
 from rtp.server import streaming
-from rtp.server.async_engine import AsyncEngine, RequestStream
+from rtp.server.async_engine import RequestStream, ServingEngine
 from rtp.server.chat_output import ToolMode
 from rtp.server.http_errors import ClientGone, param_of, runtime_error
 from rtp.server.metrics import ServerMetrics
@@ -48,10 +48,21 @@ _T = TypeVar("_T")
 _GRAMMAR_TIMEOUT_S = 30.0  # a grammar that takes longer to compile is refused (400)
 
 
+class _Constraint:
+    """A constraint factory that remembers its grammar's spec: an API frontend sends the spec to the
+    engine process, which builds its own matchers from it."""
+
+    def __init__(self, make: Callable[[], Any], spec: GrammarSpec) -> None:
+        self.make, self.grammar_spec = make, spec
+
+    def __call__(self) -> Any:  # noqa: ANN401 - a TokenConstraint
+        return self.make()
+
+
 class ServerContext:
     """The engine, the model and the request plumbing of one app."""
 
-    def __init__(self, engine: AsyncEngine, server: ServerConfig, info: ModelInfo) -> None:
+    def __init__(self, engine: ServingEngine, server: ServerConfig, info: ModelInfo) -> None:
         self.engine, self.server, self.info = engine, server, info
         self.model_name, self.tokenizer, self.max_model_len = info.name, info.tokenizer, info.max_model_len
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
@@ -76,7 +87,7 @@ class ServerContext:
         if self._grammar is None:
             info = self.info
             self._grammar = GrammarCompiler(self.tokenizer, info.vocab_size, list(info.eos_token_ids))
-        return self._grammar.constraint_factory(self._grammar.compile(spec), spec.kind)
+        return _Constraint(self._grammar.constraint_factory(self._grammar.compile(spec), spec.kind), spec)
 
     async def constraint(self, spec: GrammarSpec | None) -> Callable[[], Any] | None:
         """SamplingParams.constraint for ``spec`` (compiled off the loop, cached); 400 naming the field on failure."""

@@ -4,13 +4,22 @@ Request-level metrics (token counters, latency histograms) are observed by the
 API layer as requests finish; engine gauges (running/waiting requests, KV-cache
 usage, prefix-cache hit rate) are read from the engine's last stats snapshot
 at scrape time, so a scrape never touches the scheduler from the HTTP thread.
+
+With API frontend processes each frontend observes its own requests, and
+prometheus_client's multiprocess mode sums them: rank 0 starts every frontend
+with ``PROMETHEUS_MULTIPROC_DIR`` set to a directory of its run, each
+frontend's counters and histograms live in files there, and a scrape of any
+frontend reads all of them. The engine gauges come with every step's frame
+from rank 0 (the same numbers in every frontend).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -54,8 +63,12 @@ class ServerMetrics:
     """
 
     def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str = "rtp") -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = CollectorRegistry()  # what /metrics renders
+        mp_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        # Multiprocess mode: this process's series go to its files (a registry never rendered), and
+        # the rendered registry reads every frontend's files.
+        r = CollectorRegistry() if mp_dir else self.registry
+        self._merged = multiprocess.MultiProcessCollector(self.registry, path=mp_dir) if mp_dir else None
         self.prompt_tokens = Counter("rtp_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("rtp_generation_tokens", "Generated tokens.", registry=r)
         self.requests = Counter("rtp_requests_finished", "Finished requests by finish reason.",
@@ -70,8 +83,15 @@ class ServerMetrics:
         self.tpot = Histogram("rtp_request_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (output tokens - 1).",
                               buckets=_ITL_BUCKETS, registry=r)
-        r.register(_EngineStatsCollector(stats))
-        r.register(VllmMetricsCollector(self, stats, model_name))
+        self.registry.register(_EngineStatsCollector(stats))
+        self.registry.register(VllmMetricsCollector(self, stats, model_name))
+
+    def samples(self, metric: Counter | Histogram) -> list[Any]:
+        """The samples of one of this server's counters or histograms (summed over the frontends)."""
+        if self._merged is None:
+            return [x for family in metric.collect() for x in family.samples]
+        name = metric._name  # noqa: SLF001 - the family name, as the files store it
+        return [x for family in self._merged.collect() if family.name == name for x in family.samples]
 
     def observe_tokens(self, num_tokens: int, seconds: float) -> None:
         """``num_tokens`` new tokens arrived ``seconds`` after the previous ones."""

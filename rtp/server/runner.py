@@ -6,6 +6,10 @@ are ended with an error (a 503 body, or an error event in a stream) and
 aborted in the engine. Then the engine thread stops, and only then may the
 caller run ``rtp.shutdown()``: the engine thread is the single writer of the
 step channel, so it must be gone before the shutdown message is written.
+
+With ``server.api_processes`` >= 1 uvicorn runs in the frontend processes
+instead and rank 0 runs :class:`rtp.server.engine_loop.EngineLoop`; the same
+socket serves, the same exits hold.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import uvicorn
 from rtp.errors import RtpError
 from rtp.log import RtpLogHandler, get_logger
 from rtp.server.api import build_app
-from rtp.server.async_engine import AsyncEngine
+from rtp.server.async_engine import AsyncEngine, ServingEngine
+from rtp.server.frontend_procs import default_api_processes
 
 if TYPE_CHECKING:
     from rtp.runtime.coordinator import Runtime
@@ -57,16 +62,17 @@ def socket_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, plus the "serving on" line and the bounded drain of running requests."""
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, plus the "serving on" line (when ``url`` is given) and the bounded drain of
+    running requests."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, url: str, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: ServingEngine, url: str | None, grace_s: float) -> None:
         super().__init__(config)
         self.engine, self.url, self.grace_s = engine, url, grace_s
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.started:
+        if self.started and self.url is not None:
             logger.info("serving on %s", self.url)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -83,7 +89,7 @@ class _Server(uvicorn.Server):
             logger.warning("aborted %d request(s) still running after the %.0f s grace period", n, self.grace_s)
 
 
-def _route_uvicorn_logs() -> None:
+def route_uvicorn_logs() -> None:
     """Send uvicorn's log lines through rtp's handler (same format, rank prefix)."""
     handlers = [h for h in logging.getLogger("rtp").handlers if isinstance(h, RtpLogHandler)]
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
@@ -102,15 +108,25 @@ def run_server(runtime: Runtime, sock: socket.socket | None = None, access_log: 
     config = runtime.config
     server_cfg = config.server
     info = runtime.model_info
+    sock = sock if sock is not None else bind_socket(server_cfg.host, server_cfg.port)
+    frontends = server_cfg.api_processes if server_cfg.api_processes is not None else default_api_processes()
+    if frontends > 0:
+        from rtp.server.engine_loop import EngineLoop
+
+        logger.info("model %r (max_model_len=%d), API key %s", info.name, info.max_model_len,
+                    "required" if server_cfg.api_key else "not required")
+        try:
+            return EngineLoop(runtime, sock, frontends, socket_url(sock), access_log).run()
+        finally:
+            sock.close()
     engine = AsyncEngine(runtime.engine, step=runtime.step)
     app = build_app(engine, config, info)
-    sock = sock if sock is not None else bind_socket(server_cfg.host, server_cfg.port)
-    _route_uvicorn_logs()
+    route_uvicorn_logs()
     uv_config = uvicorn.Config(
         app, log_config=None, access_log=access_log, lifespan="on",
         timeout_graceful_shutdown=int(server_cfg.shutdown_grace_s + _CANCEL_MARGIN_S),
     )
-    server = _Server(uv_config, engine, socket_url(sock), server_cfg.shutdown_grace_s)
+    server = GracefulServer(uv_config, engine, socket_url(sock), server_cfg.shutdown_grace_s)
     exit_code = 0
 
     def engine_died(message: str) -> None:

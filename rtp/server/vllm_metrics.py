@@ -38,14 +38,6 @@ if TYPE_CHECKING:
 _LABELS = ["model_name", "engine"]
 
 
-def _samples(metric: Counter | Histogram) -> list:
-    return [s for family in metric.collect() for s in family.samples]
-
-
-def _counter_total(metric: Counter) -> float:
-    return sum(s.value for s in _samples(metric) if s.name.endswith("_total"))
-
-
 class VllmMetricsCollector(Collector):
     """Yields vLLM-named copies of a ServerMetrics' series (see the module docstring)."""
 
@@ -53,6 +45,9 @@ class VllmMetricsCollector(Collector):
         self._m = metrics
         self._stats = stats
         self._labels = [model_name, "0"]
+
+    def _counter_total(self, metric: Counter) -> float:
+        return float(sum(s.value for s in self._m.samples(metric) if s.name.endswith("_total")))
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=_LABELS)
@@ -65,7 +60,7 @@ class VllmMetricsCollector(Collector):
         return c
 
     def _histogram(self, name: str, doc: str, source: Histogram) -> HistogramMetricFamily:
-        samples = _samples(source)
+        samples = self._m.samples(source)
         buckets = [(s.labels["le"], s.value) for s in samples if s.name.endswith("_bucket")]
         total = next((s.value for s in samples if s.name.endswith("_sum")), 0.0)
         h = HistogramMetricFamily(name, doc, labels=_LABELS)
@@ -88,12 +83,12 @@ class VllmMetricsCollector(Collector):
         yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                             s.get("num_preemptions", 0))
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                            _counter_total(m.prompt_tokens))
+                            self._counter_total(m.prompt_tokens))
         yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                            _counter_total(m.generation_tokens))
+                            self._counter_total(m.generation_tokens))
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=[*_LABELS, "finished_reason"])
-        for sample in _samples(m.requests):
+        for sample in m.samples(m.requests):
             if sample.name.endswith("_total"):
                 success.add_metric([*self._labels, sample.labels["finish_reason"]], sample.value)
         yield success

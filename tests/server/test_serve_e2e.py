@@ -24,7 +24,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rtp.testing import default_model_dir
-from tests.utils import REPO
+from tests.utils import REPO, rank_pids
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ def wait_ready(server: Server, timeout: float = 180.0) -> None:
         m = re.search(r"serving on (http://\S+)", text)
         if m:
             server.url = m.group(1)
-            server.rank0_pid = int(re.search(r"Started server process \[(\d+)\]", text).group(1))
+            server.rank0_pid = rank_pids(server.proc.pid)[0]  # uvicorn's pid is a frontend's with api_processes
             return
         if server.proc.poll() is not None:
             pytest.fail(f"the server exited with {server.proc.returncode}:\n{text[-5000:]}")
@@ -94,7 +94,10 @@ def servers(tmp_path_factory):
         "device: cpu\ndtype: float32\nblock_size: 16\nmax_num_seqs: 64\nmax_num_batched_tokens: 2048\n"
         f"cpu_kv_cache_gib: 0.25\nenforce_eager: true\nlog_level: INFO\nserver:\n  shutdown_grace_s: {GRACE_S}\n"
     )
-    started = [launch(tmp, "plain", config), launch(tmp, "keyed", config, "--api-key", API_KEY)]
+    # The plain server serves HTTP in rank 0's process, the keyed one from an API frontend process
+    # (so the key, the metrics and the SIGTERM to torchrun are checked across the process split too).
+    started = [launch(tmp, "plain", config, "--api-server-count", "0"),
+               launch(tmp, "keyed", config, "--api-key", API_KEY, "--api-server-count", "1")]
     try:
         for s in started:
             wait_ready(s)
@@ -236,11 +239,11 @@ def test_api_key_is_enforced(servers):
 # ---------------------------------------------------------------------------- shutdown (keep these last)
 
 
-def read_stream(url: str, body: dict, result: dict) -> None:
+def read_stream(url: str, body: dict, result: dict, headers: dict | None = None) -> None:
     """Stream a completion into result: text, finish reason, error event, [DONE] seen."""
     result.update(text="", finish=None, error=None, done=False)
     try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers or {}, timeout=60) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -266,7 +269,7 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(se
     config = servers["tmp"] / "long.yaml"
     config.write_text((servers["tmp"] / "cpu.yaml").read_text().replace("max_num_seqs: 64", "max_num_seqs: 64\n"
                       "max_model_len: 8192") + "  max_tokens_limit: 8192\n")
-    server = launch(servers["tmp"], "grace", config)
+    server = launch(servers["tmp"], "grace", config, "--api-server-count", "0")
     try:
         wait_ready(server)
         _sigterm_during_a_short_and_a_long_request(server)

@@ -53,14 +53,15 @@ def health_probe(url: str, stop: threading.Event, seen: list[tuple[int, dict]]) 
 
 
 @pytest.mark.timeout(300)
-def test_a_stopped_worker_under_load_fails_every_request_and_the_server_exits(tmp_path):
+@pytest.mark.parametrize("api_processes", [0, 1], ids=["in-process", "frontend"])
+def test_a_stopped_worker_under_load_fails_every_request_and_the_server_exits(tmp_path, api_processes):
     config = tmp_path / "cpu.yaml"
     config.write_text(
         f"model: {default_model_dir()}\n"  # the random tiny model (the default is the trained one)
         f"device: cpu\ndtype: float32\nblock_size: 16\nmax_num_seqs: {MAX_NUM_SEQS}\ncpu_kv_cache_gib: 0.25\n"
         f"enforce_eager: true\nliveness_timeout_s: {LIVENESS_S}\nserver:\n  shutdown_grace_s: 4\n"
     )
-    server = launch(tmp_path, "faulty", config)
+    server = launch(tmp_path, "faulty", config, "--api-server-count", str(api_processes))
     pids: dict[int, int] = {}
     try:
         wait_ready(server)

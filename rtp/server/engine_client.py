@@ -1,0 +1,264 @@
+"""An API frontend's handle on rank 0's engine: requests out as frames, step outputs in as frames.
+
+:class:`EngineClient` has the request interface of
+:class:`rtp.server.async_engine.AsyncEngine` (``tokenize``, ``add_request``
+returning a :class:`RequestStream`, ``abort``, ``running``, ``failure``,
+``stats``), so the same FastAPI app serves either. Here, though, the engine
+is another process: ``add_request`` validates the request as the engine would
+(prompt, token ids, lengths against the cache) and sends an ADD frame; the
+engine's OUTPUTS frame of each step is decoded on the event loop and turned
+into text (:mod:`rtp.server.frontend_outputs`), and each changed request's
+output goes to its stream. Closing a stream early sends an ABORT; so does a
+stop string that matched here.
+
+The socket is read and written only on the event loop, never blocking it:
+what the kernel does not take at once waits in a buffer until the socket is
+writable. FAIL (the runtime failed) ends every stream with EngineDeadError;
+SHUTDOWN (SIGTERM on rank 0) and the engine's socket closing stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from rtp.core.schedule_types import SchedulerLimits
+from rtp.core.scheduler import Scheduler
+from rtp.core.sequence import Sequence
+from rtp.errors import RequestError
+from rtp.log import get_logger
+from rtp.runtime.detokenizer import TokenDecoder
+from rtp.runtime.input_processor import InputProcessor
+from rtp.runtime.model_info import ModelInfo
+from rtp.sampling import SamplingParams
+from rtp.server.async_engine import EngineDeadError, RequestStream, ServerShuttingDownError
+from rtp.server.frontend_outputs import FrontendRequest
+from rtp.server.frontend_wire import (
+    EngineRequest,
+    FrameReader,
+    Kind,
+    decode_outputs,
+    encode_abort,
+    frame,
+)
+from rtp.structured import GrammarSpec
+
+logger = get_logger(__name__)
+
+_RECV_BYTES = 1 << 18
+
+
+class EngineClient:
+    """Rank 0's engine seen from one frontend process, over the socket ``sock``.
+
+    ``limits`` are the engine's numbers the frontend validates with (HELLO's
+    "limits": block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching).
+    """
+
+    def __init__(self, sock: socket.socket, info: ModelInfo, limits: dict[str, int]) -> None:
+        self.sock = sock
+        self.info = info
+        self.inputs = InputProcessor(info)
+        # Only for Scheduler.validate (pure checks of length and cache size): the engine's own
+        # scheduler would refuse the same requests, but after the 200 of a stream was sent.
+        self._validator = Scheduler(SchedulerLimits(
+            max_num_seqs=limits["max_num_seqs"], max_num_batched_tokens=limits["max_num_batched_tokens"],
+            max_model_len=info.max_model_len, block_size=limits["block_size"], num_blocks=limits["num_blocks"],
+            enable_prefix_caching=bool(limits["enable_prefix_caching"])), info.eos_token_ids)
+        self._decoder = TokenDecoder(info.tokenizer)
+        self.failure: str | None = None
+        self.stats: dict[str, float] = {}
+        self.on_dead: list[Callable[[str], None]] = []  # the engine failed or went away: stop serving
+        self.on_shutdown: list[Callable[[], None]] = []  # the engine asked for a graceful stop
+        self._requests: dict[int, tuple[FrontendRequest, RequestStream]] = {}  # by handle
+        self._handles: dict[str, int] = {}  # request id -> handle
+        self._next_handle = 0
+        self._reader = FrameReader()
+        self._out = bytearray()  # frames the socket did not take yet
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = False
+        self._stopping = False
+
+    # ---- lifecycle (the app's lifespan) ----
+
+    @property
+    def running(self) -> bool:
+        """True while the engine serves and this frontend is not stopping."""
+        return self._started and self.failure is None and not self._stopping
+
+    def start(self) -> None:
+        """Start reading the engine's frames on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.current_thread()
+        self.sock.setblocking(False)
+        self._loop.add_reader(self.sock.fileno(), self._on_readable)
+        self._started = True
+
+    def send_ready(self) -> None:
+        """Tell the engine this frontend accepts connections."""
+        self._send(frame(Kind.READY))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End every stream still open (the server stops). Idempotent; any thread."""
+        self._stopping = True
+        self._end_all(ServerShuttingDownError("the server stopped before the request finished"))
+
+    def fail(self, message: str) -> None:
+        """End every stream with EngineDeadError and refuse new requests."""
+        if self.failure is None:
+            self.failure = message
+        self._end_all(EngineDeadError(message))
+
+    def abort_all(self, message: str = "the server is shutting down and the request did not finish in time") -> int:
+        """End every open stream with ServerShuttingDownError (their requests are aborted as they close)."""
+        return self._end_all(ServerShuttingDownError(message))
+
+    def _end_all(self, error: BaseException) -> int:
+        streams = [stream for _, stream in list(self._requests.values())]
+        for stream in streams:
+            stream.put(error)
+        return len(streams)
+
+    # ---- requests (event loop) ----
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt``, validated (any thread; it blocks for the tokenizer)."""
+        return self.inputs.tokenize(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Validate and send a request; returns its output stream (see AsyncEngine.add_request)."""
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        if self._stopping or not self._started:
+            raise ServerShuttingDownError("the server is shutting down")
+        if request_id in self._handles:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.inputs.tokenize(prompt)
+        self.inputs.check_params(params)
+        self._validator.validate(Sequence(0, ids, params))
+        grammar: GrammarSpec | None = getattr(params.constraint, "grammar_spec", None)
+        if params.constraint is not None and grammar is None:
+            raise RequestError("a constraint needs its grammar spec to reach the engine process")
+        handle = self._next_handle
+        self._next_handle = (self._next_handle + 1) & 0xFFFFFFFF
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        self._requests[handle] = (FrontendRequest(request_id, ids, params, self._decoder), stream)
+        self._handles[request_id] = handle
+        self._send(EngineRequest(handle, request_id, ids, params, grammar).encode())
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its stream, if open, ends without a final output)."""
+        self._forget(request_id, abort=True)
+
+    def _forget(self, request_id: str, abort: bool) -> None:
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._forget, request_id, abort)
+            return
+        handle = self._handles.pop(request_id, None)
+        if handle is None:
+            return
+        self._requests.pop(handle, None)
+        if abort and self.failure is None:
+            self._send(encode_abort([handle]))
+
+    # ---- the socket (event loop) ----
+
+    def _send(self, data: bytes) -> None:
+        if self._out:
+            self._out += data
+            return
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return  # the engine is gone: the reader sees EOF
+        if sent < len(data):
+            self._out += data[sent:]
+            assert self._loop is not None
+            self._loop.add_writer(self.sock.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        try:
+            sent = self.sock.send(self._out)
+        except BlockingIOError:
+            return
+        except OSError:
+            sent = len(self._out)
+        del self._out[:sent]
+        if not self._out:
+            assert self._loop is not None
+            self._loop.remove_writer(self.sock.fileno())
+
+    def _on_readable(self) -> None:
+        try:
+            data = self.sock.recv(_RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            assert self._loop is not None
+            self._loop.remove_reader(self.sock.fileno())
+            if not self._stopping:
+                self._dead("the engine process (rank 0) is gone")
+            return
+        for kind, payload in self._reader.feed(data):
+            if kind == Kind.OUTPUTS:
+                self._on_outputs(payload)
+            elif kind == Kind.FAIL:
+                self._dead(bytes(payload).decode())
+            elif kind == Kind.SHUTDOWN:
+                self._stopping = True
+                for hook in self.on_shutdown:
+                    hook()
+
+    def _dead(self, message: str) -> None:
+        self.fail(message)
+        for hook in self.on_dead:
+            hook(message)
+
+    def _on_outputs(self, payload: memoryview) -> None:
+        stats, updates, errors, prompt_lps = decode_outputs(payload)
+        self.stats = stats
+        now = time.time()
+        changed: dict[int, FrontendRequest] = {}
+        for upd in updates:
+            entry = self._requests.get(upd.handle)
+            if entry is None:
+                continue  # aborted here; the engine had not heard yet
+            req = entry[0]
+            if upd.handle not in changed:
+                req.begin_step()
+                changed[upd.handle] = req
+            req.apply(upd, now)
+        for handle, entries in prompt_lps.items():
+            entry = self._requests.get(handle)
+            if entry is not None:
+                entry[0].output.prompt_logprobs = entries
+        for handle, message in errors.items():
+            entry = self._requests.get(handle)
+            if entry is None:
+                continue
+            entry[0].abort(message)
+            self._handles.pop(entry[0].output.request_id, None)
+            del self._requests[handle]
+            entry[1].put(EngineDeadError(message) if self.failure else RequestError(message))
+        for handle, req in changed.items():
+            entry = self._requests.get(handle)
+            if entry is None:
+                continue
+            stream = entry[1]
+            if req.finished:
+                self._handles.pop(req.output.request_id, None)
+                del self._requests[handle]
+                if req.stopped_here:  # a stop string matched here: the engine still runs the request
+                    self._send(encode_abort([handle]))
+            stream.put(req.snapshot())

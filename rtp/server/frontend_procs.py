@@ -1,0 +1,133 @@
+"""Rank 0's API frontend processes: start them, talk to each over its socket, notice when one is gone.
+
+Each frontend is ``python -m rtp.server.frontend`` started by rank 0 with two
+inherited descriptors: the server's listening TCP socket (every frontend
+accepts on the same socket, the kernel spreads the connections) and its end of
+a Unix-domain socket pair to rank 0 (frames of rtp/server/frontend_wire.py).
+A frontend dies with rank 0 (parent-death signal, and EOF on its socket).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from rtp.log import get_logger
+from rtp.server.frontend_wire import FrameReader, Kind, StepOutputs, encode_hello
+
+logger = get_logger(__name__)
+
+_SOCK_BUF_BYTES = 4 << 20  # step outputs of a large batch fit without a blocking write
+
+
+def default_api_processes() -> int:
+    """The frontends when ``server.api_processes`` is not set: 1 with 4 or more usable cores, else 0.
+
+    A frontend is worth its process when it can run on a core the engine's ranks do not need:
+    on 1-3 cores it would take CPU from the forward pass (every rank runs one) instead of from the
+    GIL it frees. One frontend formats a few thousand streamed tokens per second per core; more
+    only pay for hundreds of concurrent streams, and are asked for explicitly (as in vLLM).
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return 1 if cores >= 4 else 0
+
+
+class FrontendLink:
+    """One frontend process and rank 0's end of its socket."""
+
+    def __init__(self, index: int, proc: subprocess.Popen[bytes], sock: socket.socket, send_timeout_s: float) -> None:
+        self.index, self.proc, self.sock = index, proc, sock
+        sock.settimeout(send_timeout_s)  # a frontend that reads nothing for this long is hung
+        self.reader = FrameReader()
+        self.ready = False
+        self.closed = False
+        self.live: dict[int, str] = {}  # handle -> engine request id, of the requests in the engine
+        self.prompt_logprobs_sent: set[int] = set()
+        self.pending = StepOutputs()
+        self._lock = threading.Lock()  # the engine loop and the failure hook (watchdog thread) both send
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, data: bytes) -> bool:
+        """Write one or more frames; False when the frontend is gone or hung (it is killed then)."""
+        if self.closed:
+            return False
+        with self._lock:
+            try:
+                self.sock.sendall(data)
+                return True
+            except TimeoutError:
+                logger.error("API frontend %d (pid %d) read nothing for %.0f s: killing it", self.index, self.pid,
+                             self.sock.gettimeout() or 0.0)
+                self.kill()
+            except OSError:
+                pass
+        return False
+
+    def recv_frames(self) -> list[tuple[Kind, memoryview]] | None:
+        """The frames that arrived (the socket is readable); None at EOF."""
+        try:
+            data = self.sock.recv(1 << 20, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return []
+        except OSError:
+            return None
+        if not data:
+            return None
+        return self.reader.feed(data)
+
+    def flush(self, stats: dict[str, float]) -> bool:
+        """Send the OUTPUTS frame built during this step (with the engine's stats); False if the link broke."""
+        out, self.pending = self.pending, StepOutputs()
+        out.stats = stats
+        return self.send(out.encode())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def spawn_frontends(count: int, listen: socket.socket, hello: dict[str, Any], metrics_dir: str,
+                    send_timeout_s: float) -> list[FrontendLink]:
+    """Start ``count`` frontends serving on ``listen``; each gets HELLO (``hello`` plus its index)."""
+    links: list[FrontendLink] = []
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        for i in range(count):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            for s in (ours, theirs):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF_BYTES)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF_BYTES)
+            cmd = [sys.executable, "-m", "rtp.server.frontend", "--index", str(i),
+                   "--listen-fd", str(listen.fileno()), "--engine-fd", str(theirs.fileno())]
+            proc = subprocess.Popen(cmd, pass_fds=(listen.fileno(), theirs.fileno()), env=env)
+            theirs.close()
+            link = FrontendLink(i, proc, ours, send_timeout_s)
+            links.append(link)
+            link.send(encode_hello({**hello, "index": i}))
+    except BaseException:
+        for link in links:
+            link.kill()
+            link.close()
+        raise
+    return links

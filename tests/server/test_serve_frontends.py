@@ -1,0 +1,214 @@
+"""launch/serve.py with API frontend processes (server.api_processes = 2), TP=2 on CPU through torchrun.
+
+Checked against HF transformers' greedy continuation: outputs streamed and not, a stop string matched in a
+frontend (and the request aborted in the engine), /metrics summed over the frontends, 4xx answers, the
+API key, a client disconnect. Then the exits: a frontend SIGKILLed under load (the server exits non-zero,
+no rank, frontend or segment left) and SIGTERM (running requests finish, exit 0).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rtp.distributed.liveness import pid_alive
+from rtp.testing import default_model_dir
+from tests.server.test_serve_e2e import Server, kill, launch, metric, read_stream, shm_segments, wait_ready
+from tests.utils import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "frontend-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GRACE_S = 4.0
+
+
+def frontend_pids(rank0_pid: int) -> list[int]:
+    out = subprocess.run(["ps", "--ppid", str(rank0_pid), "-o", "pid=,args="], capture_output=True, text=True)
+    return [int(line.split()[0]) for line in out.stdout.splitlines() if "rtp.server.frontend" in line]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("frontends")
+    config = tmp / "cpu.yaml"
+    config.write_text(
+        f"model: {default_model_dir()}\n"
+        "device: cpu\ndtype: float32\nblock_size: 16\nmax_num_seqs: 16\ncpu_kv_cache_gib: 0.25\n"
+        f"enforce_eager: true\nliveness_timeout_s: 5\nserver:\n  shutdown_grace_s: {GRACE_S}\n  api_processes: 2\n"
+    )
+    # The SIGTERM server has a long context: 8000 tokens take several times the grace.
+    long = tmp / "long.yaml"
+    long.write_text(config.read_text().replace("max_num_seqs: 16", "max_num_seqs: 16\nmax_model_len: 8192")
+                    + "  max_tokens_limit: 8192\n")
+    started = [launch(tmp, "keyed", config, "--api-key", API_KEY), launch(tmp, "grace", long)]
+    try:
+        for s in started:
+            wait_ready(s)
+        yield {"keyed": started[0], "grace": started[1]}
+    finally:
+        for s in started:
+            kill(s)
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> Server:
+    return servers["keyed"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """HF transformers' greedy continuation of a prompt (ids and text)."""
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir(), torch_dtype=torch.float32)
+    prompt = "Once upon a time"
+    ids = hf_greedy(model, tok.encode(prompt, add_special_tokens=False), 24)
+    return prompt, ids, tok.decode(ids)
+
+
+def post(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, headers=AUTH if headers is None else headers, timeout=60)
+
+
+def test_the_server_runs_two_frontends_beside_rank_0(server):
+    pids = frontend_pids(server.rank0_pid)
+    assert len(pids) == 2
+    assert "2 API frontend process(es)" in server.text()
+
+
+def test_greedy_output_equals_hf_streamed_and_not(server, reference):
+    prompt, ids, text = reference
+    body = {"prompt": prompt, "max_tokens": len(ids), "temperature": 0, "ignore_eos": True}
+    r = post(server.url, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == len(ids)
+    streamed: dict = {}
+    read_stream_keyed(server.url, {**body, "stream": True}, streamed)
+    assert streamed["text"] == text and streamed["finish"] == "length" and streamed["done"]
+
+
+def read_stream_keyed(url: str, body: dict, result: dict) -> None:
+    read_stream(url, body, result, AUTH)
+
+
+def test_a_stop_string_ends_the_request_in_the_engine(server, reference):
+    prompt, ids, text = reference
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip() and stop in text
+    r = post(server.url, {"prompt": prompt, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+                          "stop": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == text[: text.index(stop)] and choice["finish_reason"] == "stop"
+    # The engine aborted it at once instead of running on to 1000 tokens.
+    deadline = time.time() + 10
+    while metric(server.url, "rtp_requests_running", AUTH) != 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(server.url, "rtp_requests_running", AUTH) == 0
+
+
+def test_metrics_are_summed_over_the_frontends(server):
+    before = metric(server.url, "rtp_generation_tokens_total", AUTH)
+    for _ in range(8):  # new connections: the kernel spreads them over both frontends
+        assert post(server.url, {"prompt": "a", "max_tokens": 3, "ignore_eos": True}).status_code == 200
+    for _ in range(4):  # every frontend answers with the sum
+        assert metric(server.url, "rtp_generation_tokens_total", AUTH) == before + 24
+        assert metric(server.url, "vllm:generation_tokens_total", AUTH) == before + 24
+
+
+def test_bad_input_gets_4xx_and_the_key_is_enforced(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert post(server.url, {"prompt": "a", "max_tokens": 4}, headers={}).status_code == 401
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    r = post(server.url, {"prompt": "a " * 5000, "max_tokens": 4})
+    assert r.status_code == 400 and "2047 prompt tokens" in r.json()["error"]["message"]
+    r = post(server.url, {"prompt": "a", "max_tokens": 4, "n": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers=AUTH)
+    assert r.status_code == 400
+    r = post(server.url, {"prompt": [10**9], "max_tokens": 4})
+    assert r.status_code == 400 and "out of range" in r.json()["error"]["message"]
+
+
+def test_a_client_disconnect_aborts_in_the_engine(server):
+    body = {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metric(server.url, "rtp_requests_running", AUTH) == 1
+    deadline = time.time() + 10
+    while metric(server.url, "rtp_requests_running", AUTH) != 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(server.url, "rtp_requests_running", AUTH) == 0
+    assert metric(server.url, "rtp_kv_cache_usage_ratio", AUTH) == 0
+
+
+def test_a_killed_frontend_ends_the_server_with_nothing_left(server):
+    results = [{} for _ in range(6)]
+    clients = [threading.Thread(target=read_stream_keyed, args=(server.url, {
+        "prompt": f"Story {i}:", "max_tokens": 1900, "ignore_eos": True, "stream": True}, results[i]))
+        for i in range(len(results))]
+    for t in clients:
+        t.start()
+    deadline = time.time() + 60
+    while sum(bool(r.get("started")) for r in results) < len(results) and time.time() < deadline:
+        time.sleep(0.05)
+    ranks = [server.rank0_pid, *_other_ranks(server)]
+    frontends = frontend_pids(server.rank0_pid)
+    t0 = time.monotonic()
+    os.kill(frontends[0], signal.SIGKILL)
+    rc = server.proc.wait(30)
+    elapsed = time.monotonic() - t0
+    for t in clients:
+        t.join(30)
+    assert not any(t.is_alive() for t in clients)
+    assert rc != 0 and elapsed < 15, (rc, elapsed)
+    log = server.text()
+    assert f"API frontend 0 (pid {frontends[0]}) exited with code -9" in log, log[-3000:]
+    for r in results:  # an answer for everyone: the survivor's clients an error event, the others a reset
+        assert r["finish"] is None and r["error"], r
+    assert not any(pid_alive(p) for p in ranks + frontends)
+    assert shm_segments(server.rank0_pid) == []
+    assert not list(Path("/tmp").glob(f"rtp_metrics_{server.rank0_pid}_*"))
+
+
+def _other_ranks(server: Server) -> list[int]:
+    from tests.utils import rank_pids
+
+    return [p for r, p in rank_pids(server.proc.pid).items() if r != 0]
+
+
+def test_sigterm_lets_short_requests_finish_and_exits_0(servers):
+    server = servers["grace"]
+    short, long_ = {}, {}
+    threads = [threading.Thread(target=read_stream, args=(server.url, {
+                   "prompt": "a", "max_tokens": 30, "ignore_eos": True, "stream": True}, short)),
+               threading.Thread(target=read_stream, args=(server.url, {
+                   "prompt": "b", "max_tokens": 8000, "ignore_eos": True, "stream": True}, long_))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 30
+    while not (short.get("started") and long_.get("started")) and time.time() < deadline:
+        time.sleep(0.02)
+    frontends = frontend_pids(server.rank0_pid)
+    os.kill(server.rank0_pid, signal.SIGTERM)
+    rc = server.proc.wait(GRACE_S + 30)
+    for t in threads:
+        t.join(10)
+    assert rc == 0, server.text()[-4000:]
+    assert short["finish"] == "length" and short["done"] and short["error"] is None
+    assert long_["done"] and long_["error"]["code"] == "service_unavailable", long_
+    assert not any(pid_alive(p) for p in frontends)
+    assert shm_segments(server.rank0_pid) == []
+    assert "rtp.runtime.coordinator: shut down" in server.text()
