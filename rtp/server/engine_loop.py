@@ -186,7 +186,7 @@ class EngineLoop:
                         self._abort(link, handle)
                 elif kind == Kind.READY:
                     link.ready = True
-        if with_errors:
+        if any(link.pending.errors for link in self.links):  # refused now: answer without waiting for a step
             self._flush_errors()
 
     def _add(self, link: FrontendLink, req: EngineRequest) -> None:

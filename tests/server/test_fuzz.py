@@ -49,7 +49,10 @@ def server(tmp_path_factory) -> Server:
     )
     log = tmp / "fuzz.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           "launch/serve.py", "--config", str(config), "--port", "0"]
+           "launch/serve.py", "--config", str(config), "--port", "0",
+           # Through an API frontend process: the same app as the single-process server, plus the
+           # engine <-> frontend messages under every request the schema allows.
+           "--api-server-count", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the server
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -117,6 +117,16 @@ def test_a_stop_string_ends_the_request_in_the_engine(server, reference):
     assert metric(server.url, "rtp_requests_running", AUTH) == 0
 
 
+def test_a_grammar_reaches_the_engine(server):
+    choices = ["yes please", "no thanks"]
+    for seed in range(3):
+        r = post(server.url, {"prompt": "Answer:", "max_tokens": 20, "seed": seed, "guided_choice": choices})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] in choices
+    r = post(server.url, {"prompt": "Answer:", "max_tokens": 20, "guided_regex": "(unclosed"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+
+
 def test_metrics_are_summed_over_the_frontends(server):
     before = metric(server.url, "rtp_generation_tokens_total", AUTH)
     for _ in range(8):  # new connections: the kernel spreads them over both frontends
