@@ -37,6 +37,12 @@ def test_flags_override_the_yaml(tmp_path):
     assert config_of(["--config", str(cfg)]).scheduler.max_num_seqs == 8
 
 
+def test_api_server_count_and_its_alias():
+    assert config_of([]).server.api_processes is None  # chosen by the core count at start
+    assert config_of(["--api-server-count", "2"]).server.api_processes == 2
+    assert config_of(["--api-processes", "0"]).server.api_processes == 0
+
+
 def test_positional_model_and_model_flag():
     assert serve.parse_args(["/m"]).model == "/m"
     assert serve.parse_args(["--model", "/m"]).model == "/m"
@@ -51,6 +57,7 @@ def test_positional_model_and_model_flag():
     (["--dtype", "float64"], "--dtype=float64 is invalid: expected one of auto, float32"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 is invalid"),
     (["--port", "70000"], "--port=70000 is invalid"),
+    (["--api-server-count", "65"], "--api-server-count=65 is invalid"),
 ])
 def test_bad_values_name_the_flag(argv, words):
     with pytest.raises(ConfigError, match="^" + words.replace(".", r"\.").replace("(", r"\(")):

@@ -145,6 +145,12 @@ def test_greedy_output_equals_offline_generate(servers, server, client):
     tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
     chat_prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     ref = offline_reference(servers["tmp"], PROMPTS + [chat_prompt])
+    keyed = openai.OpenAI(base_url=servers["keyed"].url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    for c in (client, keyed):  # HTTP in rank 0's process, and in an API frontend process
+        _check_greedy(c, tok, ref)
+
+
+def _check_greedy(client: openai.OpenAI, tok, ref: list[dict]) -> None:
     extra = {"ignore_eos": True}
     model = client.models.list().data[0].id
     for prompt, want in zip(PROMPTS, ref):

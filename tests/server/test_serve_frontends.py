@@ -49,7 +49,7 @@ def servers(tmp_path_factory):
     # The SIGTERM server has a long context: 8000 tokens take several times the grace.
     long = tmp / "long.yaml"
     long.write_text(config.read_text().replace("max_num_seqs: 16", "max_num_seqs: 16\nmax_model_len: 8192")
-                    + "  max_tokens_limit: 8192\n")
+                    .replace("api_processes: 2", "api_processes: 1") + "  max_tokens_limit: 8192\n")
     started = [launch(tmp, "keyed", config, "--api-key", API_KEY), launch(tmp, "grace", long)]
     try:
         for s in started:
