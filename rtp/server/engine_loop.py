@@ -28,12 +28,10 @@ Exits, each ending the frontends and the workers, no segment left behind:
 
 from __future__ import annotations
 
-import os
 import select
 import shutil
 import signal
 import socket
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -42,6 +40,7 @@ from rtp.errors import RequestError, WorkerDiedError
 from rtp.log import get_logger
 from rtp.outputs import RequestOutput
 from rtp.server.frontend_procs import FrontendLink, spawn_frontends
+from rtp.server.frontend_procs import metrics_dir as new_metrics_dir
 from rtp.server.frontend_wire import EngineRequest, Kind, decode_abort, frame
 from rtp.structured import GrammarCompiler
 
@@ -97,7 +96,7 @@ class EngineLoop:
                        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
                        "enable_prefix_caching": int(cfg.cache.enable_prefix_caching)},
         }
-        metrics_dir = tempfile.mkdtemp(prefix=f"rtp_metrics_{os.getpid()}_")
+        metrics_dir = new_metrics_dir()
         self.runtime.on_failure.append(self._on_runtime_failure)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)

@@ -10,13 +10,17 @@ A frontend dies with rank 0 (parent-death signal, and EOF on its socket).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
+from rtp.distributed.pids import pid_alive
 from rtp.log import get_logger
 from rtp.server.frontend_wire import FrameReader, Kind, StepOutputs, encode_hello
 
@@ -38,6 +42,24 @@ def default_api_processes() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return 1 if cores >= 4 else 0
+
+
+METRICS_DIR_PREFIX = "rtp_metrics_"
+
+
+def metrics_dir() -> str:
+    """A fresh directory for this run's multiprocess metrics files, after removing those of dead runs.
+
+    Named ``rtp_metrics_<pid>_*`` in the temp directory; rank 0 removes its own on every exit but
+    SIGKILL, and the next start removes those whose process is gone.
+    """
+    tmp = Path(tempfile.gettempdir())
+    for old in tmp.glob(f"{METRICS_DIR_PREFIX}*_*"):
+        pid = old.name[len(METRICS_DIR_PREFIX) :].split("_", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            logger.info("removing %s, left by a server that is gone", old)
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}_")
 
 
 class FrontendLink:
