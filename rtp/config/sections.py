@@ -182,7 +182,7 @@ class ServerConfig(Section):
     """Allow tool_choice "auto" (the default with tools); needs tool_call_parser, as in vLLM."""
     api_processes: int | None = setting(None, integer(0, 64, nullable=True))
     """HTTP frontend processes (vLLM's --api-server-count), 0..64: 0 serves HTTP in rank 0's own process,
-    N >= 1 runs N frontends beside rank 0's engine loop; None: 1 on a machine with 4 or more cores, else 0."""
+    N >= 1 runs N frontends beside rank 0's engine loop; None: 1 (as vLLM)."""
 
     @classmethod
     def joint_rule(cls, values: Mapping[str, Any], key_of: Callable[[str], str]) -> tuple[str, str] | None:
