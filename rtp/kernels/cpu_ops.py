@@ -99,12 +99,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   // x: [T, n] (rows may be strided; last dim contiguous); w: [n] -> [T, n] contiguous, x's dtype.
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
               "rms_norm: x must be [T, n] with a contiguous last dim and w [n]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and w must have one dtype");
   auto y = torch::empty({x.size(0), x.size(1)}, x.options());
   pybind11::gil_scoped_release no_gil;
   const auto xt = x.scalar_type(), wt = w.scalar_type();
   if (xt == at::kFloat && wt == at::kFloat) rms_norm_impl<float, float>(x, w, y, (float)eps);
   else if (xt == at::kBFloat16 && wt == at::kBFloat16) rms_norm_impl<at::BFloat16, at::BFloat16>(x, w, y, (float)eps);
-  else if (xt == at::kBFloat16 && wt == at::kFloat) rms_norm_impl<at::BFloat16, float>(x, w, y, (float)eps);
   else if (xt == at::kHalf && wt == at::kHalf) rms_norm_impl<at::Half, at::Half>(x, w, y, (float)eps);
   else TORCH_CHECK(false, "rms_norm: unsupported dtypes");
   return y;

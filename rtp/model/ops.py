@@ -28,8 +28,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if _on_cpu(x) and x.stride(-1) == 1 and (self.weight.dtype == dtype or self.weight.dtype == torch.float32):
+        # Same dtypes only: with an fp32 weight the reference promotes its output to fp32.
+        if _on_cpu(x) and x.stride(-1) == 1 and self.weight.dtype == x.dtype:
             return cpu_ops.rms_norm(x, self.weight, self.eps)
         return self.reference(x)
 
@@ -115,7 +115,7 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_no
                  rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm of ``q [T, Hq, D]`` and ``k [T, Hkv, D]``, then the rotary embedding."""
     if (_on_cpu(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and q_norm.weight.dtype == q.dtype
-            and k_norm.weight.dtype == q.dtype and rotary.cos.dtype == torch.float32):
+            and k_norm.weight.dtype == q.dtype and q_norm.eps == k_norm.eps and rotary.cos.dtype == torch.float32):
         return cpu_ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, rotary.cos, rotary.sin, positions,
                                     q_norm.eps)
     return rotary(positions, q_norm.reference(q), k_norm.reference(k))

@@ -135,3 +135,12 @@ def test_the_model_ops_take_the_kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) 
     cache = torch.zeros(2, 2, 1, 16)
     store_kv(torch.randn(3, 1, 16), torch.randn(3, 1, 16), cache, cache.clone(), torch.tensor([0, 1, 2]))
     assert calls == ["rms_norm", "silu_and_mul", "qk_norm_rope", "store_kv"]
+
+
+def test_rms_norm_with_an_fp32_weight_keeps_the_references_dtype() -> None:
+    """bf16 activations with an fp32 weight: the reference promotes to fp32, and so must the module."""
+    norm = RMSNorm(64, 1e-6)
+    x = torch.randn(4, 64).bfloat16()
+    got = norm(x)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, norm.reference(x))
