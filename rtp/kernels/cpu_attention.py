@@ -4,9 +4,12 @@ On CPU the torch path of decode attention gathers every sequence's blocks into a
 padded ``[B, L, Hkv, D]`` copy and then runs SDPA over it: the KV bytes cross
 memory three times, and SDPA's CPU kernel is slow for one query per sequence.
 This kernel reads each key and value once, straight from the paged cache: one
-task per (sequence, KV head), which scores the group's ``Hq / Hkv`` query heads
-against the sequence's own ``context_len`` keys, applies a softmax and sums the
-values. It is what the torch reference computes (``paged_decode_attention_reference``),
+task per sequence (or per (sequence, KV head) when there are few sequences), which
+scores the query heads against the sequence's own ``context_len`` keys, applies a
+softmax and sums the values. The blocks of a sequence lie anywhere in the cache, so
+the task prefetches the next block while it works on one: without that the
+kernel ran at a fifth of the read bandwidth (96 sequences of 160 tokens, 2.3x
+faster with it and whole-slot tasks). It is what the torch reference computes (``paged_decode_attention_reference``),
 in fp32 accumulation, for fp32/bf16/fp16 caches.
 
 Prompt chunks and mixed steps (:func:`paged_prefill_attention_cpu`) take the varlen kernel: one
@@ -28,8 +31,9 @@ from types import ModuleType
 import torch
 
 from rtp.kernels.cpu_build import build
+from rtp.kernels.cpu_simd import SIMD_HEADER
 
-_SOURCE = r"""
+_SOURCE = SIMD_HEADER + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -71,58 +75,86 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(rep * D), acc(rep * D), scores, row_max(rep), row_sum(rep);
+  // A task is a sequence and G of its KV heads: all of them when there are sequences enough to keep
+  // every thread busy, so that a task streams each block's slots whole (the heads of a slot are
+  // adjacent); one head per task otherwise (few sequences: share a sequence's heads out).
+  const int64_t G = B >= 4 * at::get_num_threads() ? Hkv : 1, groups = Hkv / G, R = G * rep;
+  // Cache lines of one slot's G heads: the next block's slots are prefetched while this one is used,
+  // since the blocks of a sequence lie anywhere in the cache and the hardware cannot guess the next.
+  const int64_t slot_lines = (G * cache.head_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(R * D), acc(R * D), scores, inv_sum(R);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t len = lens[b];
-      scores.resize(rep * std::max<int64_t>(len, 1));
-      for (int64_t r = 0; r < rep; ++r)
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(qp[(b * Hq + h * rep + r) * D + d]) * fscale;
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      // Scores: q . k for every key, block by block.
+      const int64_t b = task / groups, h0 = (task % groups) * G, len = lens[b];
+      scores.resize(R * std::max<int64_t>(len, 1));  // row i = query head h0 * rep + i, one score per key
+      for (int64_t i = 0; i < R; ++i) {
+        const T* src = qp + (b * Hq + h0 * rep + i) * D;
+        for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(src[d]) * fscale;
+      }
+      auto prefetch_block = [&](const T* base, int64_t t0) {
+        if (t0 >= len) return;
+        const char* p = reinterpret_cast<const char*>(base + cache.block_offset(b, t0, h0));
+        const int64_t slot_bytes = st * static_cast<int64_t>(sizeof(T));
+        for (int64_t j = 0, n = std::min(block_size, len - t0); j < n; ++j)
+          for (int64_t l = 0; l < slot_lines; ++l) __builtin_prefetch(p + j * slot_bytes + l * 64);
+      };
+      // Scores: q . k for every key, block by block (two vector accumulators per dot product).
+      prefetch_block(cache.k, 0);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* kb = cache.k + cache.block_offset(b, t0, h);
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const T* k = kb + j * st;
-          for (int64_t r = 0; r < rep; ++r) {
-            const float* qr = qf.data() + r * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qr[d] * static_cast<float>(k[d]);
-            scores[r * len + t0 + j] = s;
-            row_max[r] = std::max(row_max[r], s);
+        prefetch_block(cache.k, t0 + block_size);
+        const T* kb = cache.k + cache.block_offset(b, t0, h0);
+        for (int64_t j = 0, n = std::min(block_size, len - t0); j < n; ++j) {
+          for (int64_t i = 0; i < R; ++i) {
+            const T* k = kb + j * st + (i / rep) * cache.head_stride;
+            const float* qi = qf.data() + i * D;
+            v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
+            int64_t d = 0;
+            for (; d + 16 <= D; d += 16) {
+              a0 += load8(qi + d) * load8(k + d);
+              a1 += load8(qi + d + 8) * load8(k + d + 8);
+            }
+            float s = hsum8(a0 + a1);
+            for (; d < D; ++d) s += qi[d] * static_cast<float>(k[d]);
+            scores[i * len + t0 + j] = s;
           }
         }
       }
-      for (int64_t r = 0; r < rep; ++r) {
-        float sum = 0.f;
-        float* sr = scores.data() + r * len;
-        for (int64_t t = 0; t < len; ++t) {
-          sr[t] = std::exp(sr[t] - row_max[r]);
-          sum += sr[t];
+      // Softmax numerators exp(s - max), eight at a time; 1 / sum kept for the end.
+      prefetch_block(cache.v, 0);
+      for (int64_t i = 0; i < R; ++i) {
+        float* si = scores.data() + i * len;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, si[t]);
+        v8f vsum = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+          const v8f e = exp8(load8(si + t) - mx);
+          store8(si + t, e);
+          vsum += e;
         }
-        row_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
+        float sum = hsum8(vsum);
+        for (; t < len; ++t) { si[t] = std::exp(si[t] - mx); sum += si[t]; }
+        inv_sum[i] = sum > 0.f ? 1.f / sum : 0.f;
       }
       // Output: the softmax-weighted sum of the values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* vb = cache.v + cache.block_offset(b, t0, h);
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const T* v = vb + j * st;
-          for (int64_t r = 0; r < rep; ++r) {
-            const float p = scores[r * len + t0 + j];
-            float* ar = acc.data() + r * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ar[d] += p * static_cast<float>(v[d]);
+        prefetch_block(cache.v, t0 + block_size);
+        const T* vb = cache.v + cache.block_offset(b, t0, h0);
+        for (int64_t j = 0, n = std::min(block_size, len - t0); j < n; ++j) {
+          for (int64_t i = 0; i < R; ++i) {
+            const T* v = vb + j * st + (i / rep) * cache.head_stride;
+            const float p = scores[i * len + t0 + j];
+            float* ai = acc.data() + i * D;
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) store8(ai + d, load8(ai + d) + p * load8(v + d));
+            for (; d < D; ++d) ai[d] += p * static_cast<float>(v[d]);
           }
         }
       }
-      for (int64_t r = 0; r < rep; ++r)
+      for (int64_t i = 0; i < R; ++i)
         for (int64_t d = 0; d < D; ++d)
-          op[(b * Hq + h * rep + r) * D + d] = static_cast<T>(acc[r * D + d] * row_sum[r]);
+          op[(b * Hq + h0 * rep + i) * D + d] = static_cast<T>(acc[i * D + d] * inv_sum[i]);
     }
   });
 }
@@ -209,24 +241,37 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
           float bmax = -std::numeric_limits<float>::infinity();
           for (int64_t j = 0; j < visible; ++j) {
             const float* kj = kf.data() + j * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
+            v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
+            int64_t d = 0;
+            for (; d + 16 <= D; d += 16) {
+              a0 += load8(qi + d) * load8(kj + d);
+              a1 += load8(qi + d + 8) * load8(kj + d + 8);
+            }
+            float dot = hsum8(a0 + a1);
+            for (; d < D; ++d) dot += qi[d] * kj[d];
             si[j] = dot;
             bmax = std::max(bmax, dot);
           }
           const float new_m = std::max(m[i], bmax);
           const float corr = std::exp(m[i] - new_m);  // 0 on the first block (m = -inf)
           float* ai = acc.data() + i * D;
-          float sum = 0.f;
-          for (int64_t j = 0; j < visible; ++j) { si[j] = std::exp(si[j] - new_m); sum += si[j]; }
+          v8f vsum = {0, 0, 0, 0, 0, 0, 0, 0};
+          int64_t j = 0;
+          for (; j + 8 <= visible; j += 8) {
+            const v8f e = exp8(load8(si + j) - new_m);
+            store8(si + j, e);
+            vsum += e;
+          }
+          float sum = hsum8(vsum);
+          for (; j < visible; ++j) { si[j] = std::exp(si[j] - new_m); sum += si[j]; }
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ai[d] *= corr;
-          for (int64_t j = 0; j < visible; ++j) {
-            const float pj = si[j];
-            const float* vj = vf.data() + j * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ai[d] += pj * vj[d];
+          for (int64_t jj = 0; jj < visible; ++jj) {
+            const float pj = si[jj];
+            const float* vj = vf.data() + jj * D;
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) store8(ai + d, load8(ai + d) + pj * load8(vj + d));
+            for (; d < D; ++d) ai[d] += pj * vj[d];
           }
           l[i] = l[i] * corr + sum;
           m[i] = new_m;
@@ -266,7 +311,8 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 @functools.lru_cache(maxsize=1)
 def load() -> ModuleType | None:
     """Build (first use) and import the kernel; None where it cannot be built (the torch path stays)."""
-    return build("cpu_attention", _SOURCE, ["paged_decode", "paged_prefill"])
+    # a * b + c contracted into one FMA in the dot products (C++17 mode turns it off by default).
+    return build("cpu_attention", _SOURCE, ["paged_decode", "paged_prefill"], extra_cflags=("-ffp-contract=fast",))
 
 
 def _kernel() -> ModuleType:

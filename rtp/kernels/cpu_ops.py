@@ -24,8 +24,9 @@ from types import ModuleType
 import torch
 
 from rtp.kernels.cpu_build import build
+from rtp.kernels.cpu_simd import SIMD_HEADER
 
-_SOURCE = r"""
+_SOURCE = SIMD_HEADER + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -33,10 +34,6 @@ _SOURCE = r"""
 #include <limits>
 #include <type_traits>
 #include <vector>
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
 
 static inline float to_f(float v) { return v; }
 static inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
@@ -179,66 +176,6 @@ std::vector<torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch:
   return {qo, ko};
 }
 
-// exp(x) for eight floats: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (the classic
-// Cephes coefficients), 2^n put into the exponent bits; about 1 ulp over the clamped range.
-static inline v8f exp8(v8f x) {
-  const v8f hi = {88.3762626647949f, 88.3762626647949f, 88.3762626647949f, 88.3762626647949f,
-                  88.3762626647949f, 88.3762626647949f, 88.3762626647949f, 88.3762626647949f};
-  const float f_inf = std::numeric_limits<float>::infinity();
-  const v8f inf = {f_inf, f_inf, f_inf, f_inf, f_inf, f_inf, f_inf, f_inf};
-  const auto over = x > hi;   // exp overflows to +inf there, as std::exp does
-  x = over ? hi : x;
-  x = x < -hi ? -hi : x;
-  v8f fn = x * 1.44269504088896341f + 0.5f;
-  v8i n = __builtin_convertvector(fn, v8i);
-  v8f nf = __builtin_convertvector(n, v8f);
-  nf = nf > fn ? nf - 1.f : nf;  // floor (the conversion truncates toward zero)
-  n = __builtin_convertvector(nf, v8i);
-  const v8f r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
-  v8f p = 1.9875691500E-4f * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  p = p * (r * r) + r + 1.f;
-  const v8i bits = (n + 127) << 23;
-  v8f scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return over ? inf : p * scale;
-}
-
-// Eight values of T as floats, and back (rounding to nearest even, as torch's casts do).
-static inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
-static inline v8f load8(const at::BFloat16* p) {
-  uint16_t h[8];
-  std::memcpy(h, p, sizeof h);
-  v8u u = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]};
-  u <<= 16;  // bf16 is the top half of an fp32
-  v8f v; std::memcpy(&v, &u, sizeof v); return v;
-}
-// fp32 bits rounded to the nearest bf16 (ties to even) in their top half; NaN stays a quiet NaN.
-static inline v8u bf16_bits(v8f v) {
-  v8u u; std::memcpy(&u, &v, sizeof u);
-  const v8u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  const v8u nan = {0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u,
-                   0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u};
-  return (v8u)(v == v) ? rounded : nan;
-}
-static inline void store8(at::BFloat16* p, v8f v) {
-  const v8u u = bf16_bits(v) >> 16;
-  uint16_t h[8];
-  for (int j = 0; j < 8; ++j) h[j] = static_cast<uint16_t>(u[j]);
-  std::memcpy(p, h, sizeof h);
-}
-static inline v8f load8(const at::Half* p) {
-  float f[8]; for (int j = 0; j < 8; ++j) f[j] = static_cast<float>(p[j]);
-  return load8(f);
-}
-static inline void store8(at::Half* p, v8f v) {
-  float f[8]; std::memcpy(f, &v, sizeof f);
-  for (int j = 0; j < 8; ++j) p[j] = at::Half(f[j]);
-}
 template <typename T> static inline v8f round8(v8f v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;

@@ -8,8 +8,15 @@ import torch
 from rtp.kernels import cpu_attention, cpu_build
 from rtp.kernels.paged_attention import paged_decode_attention_reference, paged_prefill_attention_reference
 from tests.kernels.paged_attention_cases import CPU_CASES, Case, build
+from tests.utils import HAS_CXX
 
-pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C++ compiler: the kernel cannot be built")
+pytestmark = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: the kernels cannot be built")
+
+
+def test_kernel_builds() -> None:
+    """A compiler is here, so the kernel must build (a failed build would leave only the torch path)."""
+    assert cpu_attention.load() is not None
+
 
 CASES = [c for c in CPU_CASES if c.decode] + [
     # GQA 4:1, a long context over many blocks, one sequence of a single token
@@ -18,6 +25,9 @@ CASES = [c for c in CPU_CASES if c.decode] + [
     Case("decode-bs1-d128", [1] * 2, [3, 50], 4, 4, 128, 1),
     # MQA: every query head reads the one KV head
     Case("decode-mqa", [1] * 5, [2, 15, 16, 17, 64], 6, 1, 32, 16),
+    # many sequences (at least 4 per thread up to 16 threads): one task per sequence over all its KV heads,
+    # head_dim 40 (a 16-wide loop, then a tail of 8)
+    Case("decode-many-seqs", [1] * 64, [1 + (7 * i) % 90 for i in range(64)], 6, 3, 40, 8),
 ]
 
 
