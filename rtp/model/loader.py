@@ -102,6 +102,7 @@ def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progres
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
+    model.process_weights_after_loading()  # a quantized checkpoint's projections dequantized, once
     gb = report.checkpoint_bytes / 1e9
     logger.info("loaded %d tensors from %s: %.2f GB in %.1f s (%.2f GB/s), %.1f MiB on this rank", report.tensors,
                 model_dir, gb, report.seconds, gb / max(report.seconds, 1e-9), report.bytes_read / 2**20)
@@ -157,6 +158,9 @@ class _CountingSource:
 
     def get_shape(self) -> list[int]:
         return self.source.get_shape()
+
+    def get_dtype(self) -> str:
+        return self.source.get_dtype()
 
     def __getitem__(self, idx) -> torch.Tensor:  # noqa: ANN001
         t = self.source[idx]

@@ -20,6 +20,7 @@ from torch import nn
 from rtp.distributed.parallel import ParallelState
 from rtp.kernels.fused_moe import fused_moe
 from rtp.model.linear import PLAIN, LinearBase, _copy, divide, frozen_param, load_full
+from rtp.model.quant.base import QuantFormat, dequantize_experts, expert_buffers
 
 
 class MoERouter(LinearBase):
@@ -48,10 +49,15 @@ class FusedMoE(nn.Module):
     ``w13_weight [E_local, 2 * I_local, H]`` holds each local expert's gate rows then up rows;
     ``w2_weight [E_local, H, I_local]`` its down projection. TP: ``E_local = E``,
     ``I_local = I / tp``. EP: ``E_local = E / tp``, ``I_local = I``.
+
+    ``quant``: a quantized checkpoint's format. Its tensors (``w13_weight_scale_inv``, ``w2_qweight``,
+    ...) load into stacks of the same shapes through dense views, sliced like the plain weights,
+    and become ``w13_weight``/``w2_weight`` in :meth:`process_weights_after_loading`.
     """
 
     def __init__(
-        self, num_experts: int, hidden: int, inter: int, ps: ParallelState, expert_parallel: bool = False
+        self, num_experts: int, hidden: int, inter: int, ps: ParallelState, expert_parallel: bool = False,
+        quant: QuantFormat | None = None,
     ) -> None:
         super().__init__()
         self.ps, self.num_experts, self.expert_parallel = ps, num_experts, expert_parallel
@@ -64,8 +70,26 @@ class FusedMoE(nn.Module):
             self.inter_local = divide(inter, ps.tp_size, "moe_intermediate_size")
             self.expert_start = 0
         e, i = self.num_local, self.inter_local
-        self.w13_weight = frozen_param(torch.empty(e, 2 * i, hidden), self.weight_loader)
-        self.w2_weight = frozen_param(torch.empty(e, hidden, i), self.weight_loader)
+        self.quant, self.compute_dtype = quant, torch.get_default_dtype()
+        if quant is None:
+            self.w13_weight = frozen_param(torch.empty(e, 2 * i, hidden), self.weight_loader)
+            self.w2_weight = frozen_param(torch.empty(e, hidden, i), self.weight_loader)
+            return
+        quant.check_shape("expert gate/up projection", inter, hidden)
+        quant.check_shape("expert down projection", hidden, inter)
+        # Full [N, K] of the checkpoint projection behind a shard id (expert, 0 gate | 1 up | None down).
+        expert_buffers(self, quant, "w13", (e, 2 * i, hidden), self.weight_loader, lambda shard: (inter, hidden))
+        expert_buffers(self, quant, "w2", (e, hidden, i), self.weight_loader, lambda shard: (hidden, inter))
+
+    def process_weights_after_loading(self) -> None:
+        """A quantized checkpoint's stacks dequantized into ``w13_weight``/``w2_weight`` (nothing otherwise)."""
+        if self.quant is None:
+            return
+        self.w13_weight = frozen_param(dequantize_experts(self, self.quant, "w13", self.compute_dtype),
+                                       self.weight_loader)
+        self.w2_weight = frozen_param(dequantize_experts(self, self.quant, "w2", self.compute_dtype),
+                                      self.weight_loader)
+        self.quant = None
 
     def weight_loader(self, param: nn.Parameter, source, shard_id: tuple[int, int | None]) -> None:  # noqa: ANN001
         """Copy this rank's part of one expert's projection; ``shard_id = (expert, 0 gate | 1 up | None down)``."""
@@ -103,10 +127,11 @@ class SparseMoeBlock(nn.Module):
         norm_topk_prob: bool,
         ps: ParallelState,
         expert_parallel: bool = False,
+        quant: QuantFormat | None = None,
     ) -> None:
         super().__init__()
-        self.gate = MoERouter(hidden, num_experts, top_k, norm_topk_prob)
-        self.experts = FusedMoE(num_experts, hidden, inter, ps, expert_parallel)
+        self.gate = MoERouter(hidden, num_experts, top_k, norm_topk_prob)  # plain in quantized checkpoints too
+        self.experts = FusedMoE(num_experts, hidden, inter, ps, expert_parallel, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, k] each

@@ -12,7 +12,16 @@ from rtp.distributed.parallel import ParallelState
 from rtp.errors import ModelShapeError
 from rtp.model.attention import AttnMetadata, PagedAttention
 from rtp.model.embedding import ParallelLMHead, VocabParallelEmbedding
-from rtp.model.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, divide
+from rtp.model.linear import (
+    PLAIN,
+    LinearBase,
+    LinearMethod,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    divide,
+)
+from rtp.model.quant import DequantLinearMethod, QuantFormat
 from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, qk_norm_rope, rope_inv_freq
 
 
@@ -78,14 +87,15 @@ class Qwen3Spec:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding,
+                 method: LinearMethod = PLAIN) -> None:
         super().__init__()
         d = spec.head_dim
         self.qkv_proj = QKVParallelLinear(
-            spec.hidden_size, d, spec.num_heads, spec.num_kv_heads, ps, spec.attention_bias
+            spec.hidden_size, d, spec.num_heads, spec.num_kv_heads, ps, spec.attention_bias, method
         )
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
-        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, ps, spec.attention_bias)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, ps, spec.attention_bias, method)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)  # per-head norms: Qwen3's addition over Qwen2
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.rotary = rotary
@@ -102,21 +112,22 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, spec: Qwen3Spec, ps: ParallelState) -> None:
+    def __init__(self, spec: Qwen3Spec, ps: ParallelState, method: LinearMethod = PLAIN) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2, ps)
+        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2, ps, method)
         self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, ps)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, ps, method=method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
+    def __init__(self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding, mlp: nn.Module,
+                 method: LinearMethod = PLAIN) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Qwen3Attention(spec, ps, rotary)
+        self.self_attn = Qwen3Attention(spec, ps, rotary, method)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = mlp  # Qwen3MLP, or a sparse MoE block in Qwen3-MoE
 
@@ -127,11 +138,13 @@ class Qwen3DecoderLayer(nn.Module):
 
 class Qwen3Model(nn.Module):
     def __init__(
-        self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding, make_mlp: Callable[[int], nn.Module]
+        self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding, make_mlp: Callable[[int], nn.Module],
+        method: LinearMethod = PLAIN,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, ps)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, ps, rotary, make_mlp(i)) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, ps, rotary, make_mlp(i), method)
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
@@ -142,7 +155,12 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """Each rank's slice of Qwen3. ``forward`` gives hidden states; ``compute_logits`` gathers on rank 0."""
+    """Each rank's slice of Qwen3. ``forward`` gives hidden states; ``compute_logits`` gathers on rank 0.
+
+    ``quant``: the format of a quantized checkpoint (:mod:`rtp.model.quant`); the attention and
+    MLP projections (and the experts) load its tensors and are dequantized once after loading.
+    Embeddings, the LM head, the norms and the MoE router are always plain.
+    """
 
     # checkpoint name fragment -> (parameter name fragment, shard id)
     stacked = {
@@ -153,20 +171,23 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, spec: Qwen3Spec, ps: ParallelState, hf_config, max_positions: int) -> None:  # noqa: ANN001
+    def __init__(self, spec: Qwen3Spec, ps: ParallelState, hf_config, max_positions: int,  # noqa: ANN001
+                 quant: QuantFormat | None = None) -> None:
         super().__init__()
         spec.check_tp(ps.tp_size)
         self.spec = spec
+        self.quant = quant
+        self.linear_method: LinearMethod = PLAIN if quant is None else DequantLinearMethod(quant)
         inv_freq, scale = rope_inv_freq(hf_config, spec.head_dim)
         rotary = RotaryEmbedding(spec.head_dim, max_positions, inv_freq, scale)
-        self.model = Qwen3Model(spec, ps, rotary, lambda i: self.make_mlp(i, ps))
+        self.model = Qwen3Model(spec, ps, rotary, lambda i: self.make_mlp(i, ps), self.linear_method)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps, tied=spec.tie_word_embeddings)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, layer: int, ps: ParallelState) -> nn.Module:
         """The feed-forward block of layer ``layer`` (Qwen3-MoE overrides this)."""
-        return Qwen3MLP(self.spec, ps)
+        return Qwen3MLP(self.spec, ps, self.linear_method)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
@@ -199,6 +220,14 @@ class Qwen3ForCausalLM(nn.Module):
                 prefixes = {shard: stem + frag for frag, shard in fused.get(leaf, [])} or {None: name}
                 shapes |= module.checkpoint_tensors(prefixes)
         return shapes
+
+    def process_weights_after_loading(self) -> None:
+        """Once every tensor is loaded: dequantize the projections of a quantized checkpoint (else nothing)."""
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.method.process_weights_after_loading(module)
+            elif module is not self and hasattr(module, "process_weights_after_loading"):  # stacked MoE experts
+                module.process_weights_after_loading()
 
     def param_for(self, name: str) -> tuple[str, object]:
         """Map a checkpoint tensor name to (parameter name, shard id)."""

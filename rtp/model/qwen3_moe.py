@@ -21,10 +21,13 @@ from rtp.distributed.parallel import ParallelState
 from rtp.errors import ModelShapeError
 from rtp.model.linear import divide
 from rtp.model.moe import SparseMoeBlock
+from rtp.model.quant import QuantFormat
 from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP, Qwen3Spec
 
-# model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
-_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+# model.layers.L.mlp.experts.E.{gate,up,down}_proj.{weight, or a quantized format's weight_scale_inv, qweight, ...}
+_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<suffix>[a-z_]+)$"
+)
 
 
 @dataclass(frozen=True)
@@ -86,32 +89,34 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         hf_config,  # noqa: ANN001
         max_positions: int,
         expert_parallel: bool = False,
+        quant: QuantFormat | None = None,
     ) -> None:
         spec.check_tp(ps.tp_size, expert_parallel)
         self.moe_spec = spec  # the base class keeps it as ``spec`` with the dense type
         self.expert_parallel = expert_parallel  # read by make_mlp during the base constructor
-        super().__init__(spec, ps, hf_config, max_positions)
+        super().__init__(spec, ps, hf_config, max_positions, quant)
 
     def make_mlp(self, layer: int, ps: ParallelState) -> nn.Module:
         s = self.moe_spec
         if layer not in s.sparse_layers:
-            return Qwen3MLP(s, ps)
+            return Qwen3MLP(s, ps, self.linear_method)
         return SparseMoeBlock(
             s.hidden_size, s.moe_intermediate_size, s.num_experts, s.num_experts_per_tok, s.norm_topk_prob,
-            ps, self.expert_parallel,
+            ps, self.expert_parallel, self.quant,
         )
 
     def checkpoint_shapes(self) -> dict[str, list[int]]:
         """Full (unsharded) shape of every tensor the checkpoint must hold."""
         s = self.moe_spec
         shapes = super().checkpoint_shapes()
+        h, mi = s.hidden_size, s.moe_intermediate_size
         for i in s.sparse_layers:  # the router (gate) is a linear: listed by the base class
             p = f"model.layers.{i}.mlp."
             for e in range(s.num_experts):
                 q = f"{p}experts.{e}."
-                shapes[q + "gate_proj.weight"] = [s.moe_intermediate_size, s.hidden_size]
-                shapes[q + "up_proj.weight"] = [s.moe_intermediate_size, s.hidden_size]
-                shapes[q + "down_proj.weight"] = [s.hidden_size, s.moe_intermediate_size]
+                # The projections' tensors as the linear method names them (weight, or a format's tensors).
+                for proj, n, k in (("gate_proj", mi, h), ("up_proj", mi, h), ("down_proj", h, mi)):
+                    shapes |= self.linear_method.checkpoint_tensors(q + proj, n, k)
         return shapes
 
     def param_for(self, name: str) -> tuple[str, object]:
@@ -119,7 +124,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         m = _EXPERT.match(name)
         if m is None:
             return super().param_for(name)
-        expert, proj = int(m["expert"]), m["proj"]
+        expert, proj, suffix = int(m["expert"]), m["proj"], m["suffix"]
         if proj == "down":
-            return f"{m['prefix']}.w2_weight", (expert, None)
-        return f"{m['prefix']}.w13_weight", (expert, 0 if proj == "gate" else 1)
+            return f"{m['prefix']}.w2_{suffix}", (expert, None)
+        return f"{m['prefix']}.w13_{suffix}", (expert, 0 if proj == "gate" else 1)

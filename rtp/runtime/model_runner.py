@@ -19,6 +19,7 @@ from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend
 from rtp.model.linear import cpu_linear_method, pack_linear_weights
 from rtp.model.loader import LoadReport, load_weights
+from rtp.model.quant import checkpoint_format
 from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rtp.model.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSpec
 from rtp.runtime.batch import BatchInputs, BatchMirror
@@ -116,14 +117,17 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     is_moe = getattr(hf_config, "model_type", None) == "qwen3_moe"
     spec = Qwen3MoeSpec.from_hf(hf_config) if is_moe else Qwen3Spec.from_hf(hf_config)
+    quant = checkpoint_format(hf_config)  # FP8 blocks, AWQ, or None for a float checkpoint
     positions = max(max_positions or 0, spec.max_position_embeddings)
     model: Qwen3ForCausalLM
     with _default_dtype(dtype), torch.device(ps.device):
         if isinstance(spec, Qwen3MoeSpec):
-            model = Qwen3MoeForCausalLM(spec, ps, hf_config, positions, expert_parallel)
+            model = Qwen3MoeForCausalLM(spec, ps, hf_config, positions, expert_parallel, quant)
         else:
-            model = Qwen3ForCausalLM(spec, ps, hf_config, positions)
+            model = Qwen3ForCausalLM(spec, ps, hf_config, positions, quant)
     report = load_weights(model, model_dir, show_progress=ps.rank == 0)
+    if quant is not None:
+        logger.info("dequantized the %s checkpoint's projections to %s at load", quant.name, dtype)
     method = cpu_linear_method(ps.device, dtype)
     if method is not None:
         n = pack_linear_weights(model, method)

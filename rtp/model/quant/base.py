@@ -1,0 +1,112 @@
+"""A quantized checkpoint format as a linear method: its tensors, how they are sliced, how they combine.
+
+A :class:`QuantFormat` names the checkpoint tensors of one projection (``weight`` and
+``weight_scale_inv`` for FP8 blocks; ``qweight``, ``qzeros``, ``scales`` for AWQ), their full
+shapes (from the projection's ``[N, K]``), and for each a dense ``[N, K]`` view
+(:mod:`rtp.model.quant.views`). :class:`DequantLinearMethod` registers one buffer parameter per
+tensor (named as in the checkpoint), of this rank's ``[out_local, in_local]`` shape, loaded through the layer's own weight
+loader from that view: every column/row shard, merged projection and replicated KV head is sliced
+exactly as a plain weight is. After loading, :meth:`QuantFormat.dequantize` combines the buffers
+element by element into the plain weight in the compute dtype and the buffers are dropped, so
+the layer runs the plain method (and is packed for the CPU GEMM like any other). The stacked MoE
+experts (:class:`rtp.model.moe.FusedMoE`) use the same tensors through :func:`expert_buffers`.
+
+The buffers hold expanded scales (one per element) for a moment: while loading, a rank holds
+about ``1 + 4`` bytes per FP8 weight element and ``1 + 1 + 2`` per AWQ element, then the
+compute dtype's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rtp.model.linear import PLAIN, LinearBase, LinearMethod, frozen_param, load_full
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """One checkpoint tensor of a quantized projection."""
+
+    suffix: str
+    """Its name after the projection's (``model.layers.0.mlp.down_proj.`` + suffix)."""
+    dtype: torch.dtype
+    """dtype of the dense ``[N, K]`` buffer it is loaded into."""
+    shape: Callable[[int, int], list[int]]
+    """Full checkpoint shape from the projection's ``(N, K)``."""
+    view: Callable[[Any, tuple[int, int]], Any]
+    """``view(source, (N, K))``: the checkpoint slice handle seen as a dense ``[N, K]`` source."""
+
+
+class QuantFormat:
+    """A checkpoint format whose projections are dequantized once at load (see the module docstring)."""
+
+    name: str = ""
+    tensors: tuple[QuantTensor, ...] = ()
+
+    def check_shape(self, what: str, out_features: int, in_features: int) -> None:
+        """Raise ModelShapeError if a projection of this shape cannot be held in this format."""
+
+    def dequantize(self, buffers: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The loaded buffers (suffix -> ``[..., N, K]``) combined into the weight ``[..., N, K]`` in ``dtype``."""
+        raise NotImplementedError
+
+
+def _wrap(loader: Callable[..., None], view: Callable[[Any, tuple[int, int]], Any],
+          full_shape: Callable[[object], tuple[int, int]]) -> Callable[..., None]:
+    """A weight loader that hands ``loader`` the dense view of its source (full shape from the shard id)."""
+    def load(param: nn.Parameter, source: Any, shard_id: object = None) -> None:
+        loader(param, view(source, full_shape(shard_id)), shard_id)
+    return load
+
+
+class DequantLinearMethod(LinearMethod):
+    """The linear method of a :class:`QuantFormat`: its tensors while loading, the plain weight after."""
+
+    def __init__(self, fmt: QuantFormat) -> None:
+        self.fmt = fmt
+
+    def create_weights(self, layer: LinearBase, out_local: int, in_local: int,
+                       weight_loader: Callable[..., None]) -> None:
+        for shard, (n, k) in layer.full_shapes.items():
+            self.fmt.check_shape(f"projection {shard}" if shard is not None else "projection", n, k)
+        layer.compute_dtype = torch.get_default_dtype()
+        # Named as the checkpoint names them, so the model's name mapping (q_proj -> qkv_proj) applies.
+        for t in self.fmt.tensors:
+            loader = _wrap(weight_loader, t.view, lambda shard: layer.full_shapes[shard])
+            setattr(layer, t.suffix, frozen_param(torch.empty(out_local, in_local, dtype=t.dtype), loader))
+
+    def checkpoint_tensors(self, prefix: str, out_features: int, in_features: int) -> dict[str, list[int]]:
+        return {f"{prefix}.{t.suffix}": t.shape(out_features, in_features) for t in self.fmt.tensors}
+
+    def process_weights_after_loading(self, layer: LinearBase, keep_plain: bool = False) -> None:
+        """Dequantize into ``layer.weight`` (the compute dtype), drop the buffers, switch to the plain method."""
+        buffers = {t.suffix: getattr(layer, t.suffix).data for t in self.fmt.tensors}
+        weight = self.fmt.dequantize(buffers, layer.compute_dtype)
+        for t in self.fmt.tensors:
+            delattr(layer, t.suffix)
+        layer.weight = frozen_param(weight, load_full)
+        layer.method = PLAIN
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise RuntimeError("a quantized layer runs only after its weights are dequantized")
+
+
+def expert_buffers(module: nn.Module, fmt: QuantFormat, stem: str, shape: tuple[int, int, int],
+                   loader: Callable[..., None], full_shape: Callable[[object], tuple[int, int]]) -> None:
+    """Register ``{stem}_{suffix}`` buffers of ``shape`` on a stacked-experts module for each format tensor."""
+    for t in fmt.tensors:
+        param = frozen_param(torch.empty(*shape, dtype=t.dtype), _wrap(loader, t.view, full_shape))
+        setattr(module, f"{stem}_{t.suffix}", param)
+
+
+def dequantize_experts(module: nn.Module, fmt: QuantFormat, stem: str, dtype: torch.dtype) -> torch.Tensor:
+    """The dense ``[E, N, K]`` stack of ``{stem}_*`` buffers in ``dtype``; the buffers are removed."""
+    buffers = {t.suffix: getattr(module, f"{stem}_{t.suffix}").data for t in fmt.tensors}
+    for t in fmt.tensors:
+        delattr(module, f"{stem}_{t.suffix}")
+    return fmt.dequantize(buffers, dtype)
