@@ -7,6 +7,10 @@ with the same config (plus its ``quantization_config``), tokenizer and non-proje
   with a bf16 ``weight_scale_inv`` per 128 x 128 block (as Qwen's FP8 releases); the rest bf16.
   Each block is first scaled by its own random power of two in [1/2, 2], so that neighbouring
   blocks have clearly different scales: a scale applied to the wrong block changes the logits.
+  Optionally also a float64 reference checkpoint of ``q x scale`` (blocks of 128 from the first
+  row and column, the last one partial). transformers 5 dequantizes FP8 on CPU only where every
+  dimension is a multiple of the block (it derives the block from ``rows // scale_rows``, so a
+  192-row projection gets 96-row blocks); the reference serves the shapes where it does not.
 - :func:`write_awq_checkpoint`: the projections as AutoAWQ's 4-bit GEMM tensors (asymmetric,
   groups of 128 inputs, packed from the format's description: nibble ``i`` of each int32 holds
   column ``[0, 2, 4, 6, 1, 3, 5, 7][i]`` of its eight); the rest fp16. It also writes a float64
@@ -62,26 +66,49 @@ def fp8_block_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
     return q.view(bn * block, bk * block)[:n, :k].contiguous(), scale
 
 
-def write_fp8_checkpoint(src: str | Path, dst: str | Path, seed: int = 0, block: int = 128,
-                         block_size_in_config: list[int] | None = None) -> Path:
-    """Write ``src`` (a float tiny checkpoint) in Qwen's FP8 block format into ``dst``; returns ``dst``."""
+def _expand(blocks: torch.Tensor, shape: tuple[int, int], block: int) -> torch.Tensor:
+    """``[ceil(N/b), ceil(K/b)]`` -> ``[N, K]``: each block's value over its rows and columns."""
+    return blocks.repeat_interleave(block, 0)[: shape[0]].repeat_interleave(block, 1)[:, : shape[1]]
+
+
+def write_fp8_checkpoint(src: str | Path, dst: str | Path, reference: str | Path | None = None, seed: int = 0,
+                         block: int = 128) -> Path:
+    """Write ``src`` (a float tiny checkpoint) in Qwen's FP8 block format into ``dst``; returns ``dst``.
+
+    ``reference``: also write there the float64 dequantized checkpoint (see the module docstring).
+    """
     src, dst = Path(src), Path(dst)
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
+    ref: dict[str, torch.Tensor] = {}
     for name, t in _read(src).items():
         if not PROJECTION.search(name):
             out[name] = t.to(torch.bfloat16).contiguous()
+            ref[name] = out[name].double()
             continue
         n, k = t.shape
-        bn, bk = -(-n // block), -(-k // block)
-        jitter = 2.0 ** (torch.rand(bn, bk, generator=g) * 2 - 1)  # [bn, bk] in [1/2, 2]
-        w = t.float() * jitter.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-        out[name], out[name + "_scale_inv"] = fp8_block_quantize(w, block)
+        jitter = 2.0 ** (torch.rand(-(-n // block), -(-k // block), generator=g) * 2 - 1)  # in [1/2, 2]
+        q, scale = fp8_block_quantize(t.float() * _expand(jitter, (n, k), block), block)
+        out[name], out[name + "_scale_inv"] = q, scale
+        ref[name] = q.double() * _expand(scale.double(), (n, k), block)  # [N, K]
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     _copy_configs(src, dst, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                             "weight_block_size": block_size_in_config or [block, block]})
+                             "weight_block_size": [block, block]})
+    if reference is not None:
+        _write_reference(src, Path(reference), ref)
     return dst
+
+
+def _write_reference(src: Path, reference: Path, weights: dict[str, torch.Tensor]) -> None:
+    """A float64 checkpoint of ``weights`` with ``src``'s config (no quantization_config) and tokenizer."""
+    reference.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    _copy_configs(src, reference, {})
+    config = json.loads((reference / "config.json").read_text())
+    del config["quantization_config"]
+    config["torch_dtype"] = config["dtype"] = "float64"
+    (reference / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def awq_pack(values: torch.Tensor) -> torch.Tensor:
@@ -126,11 +153,5 @@ def write_awq_checkpoint(src: str | Path, dst: str | Path, reference: str | Path
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     _copy_configs(src, dst, {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                              "version": "gemm", "modules_to_not_convert": None})
-    reference.mkdir(parents=True, exist_ok=True)
-    save_file(ref, str(reference / "model.safetensors"), metadata={"format": "pt"})
-    _copy_configs(src, reference, {})
-    config = json.loads((reference / "config.json").read_text())
-    del config["quantization_config"]
-    config["torch_dtype"] = config["dtype"] = "float64"
-    (reference / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_reference(src, reference, ref)
     return dst

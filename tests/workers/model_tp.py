@@ -96,11 +96,14 @@ def main() -> None:
     ap.add_argument("--expert-parallel", action="store_true", help="MoE models: whole experts per rank")
     ap.add_argument("--mixed", action="store_true",
                     help="run a prefill chunk and decode rows in one step (a mixed batch)")
+    ap.add_argument("--ep-models", nargs="*", default=[],
+                    help="MoE models run a second time with expert parallelism (saved as '<path>#ep'): one launch")
     ap.add_argument("models", nargs="+")
     args = ap.parse_args()
     ps = ParallelState.from_env("cpu")
     prompts = json.loads(args.prompts)
     results = {m: run_model(ps, m, prompts, args.steps, args.expert_parallel, args.mixed) for m in args.models}
+    results |= {f"{m}#ep": run_model(ps, m, prompts, args.steps, True, args.mixed) for m in args.ep_models}
     if ps.rank == 0:
         torch.save(results, args.out)
     ps.destroy()
