@@ -71,6 +71,10 @@ class ModelConfig(Section):
     dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"))
     """"auto" (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else float32), "float32", "bfloat16",
     "float16"."""
+    quantization: str | None = setting(None, choice("int8", nullable=True))
+    """"int8": int8 weight-only attention and MLP projections, per-output-channel scales computed at load
+    from a float (or FP8/AWQ) checkpoint; for CPU decode, which reads 4x fewer weight bytes than in fp32.
+    None: the checkpoint's own format (a quantized checkpoint's quantization_config is always read)."""
     max_model_len: int | None = setting(None, integer(1, nullable=True))
     """Longest prompt + completion in tokens, >= 1; None means the model's max_position_embeddings."""
     enforce_eager: bool = setting(False, BOOL)

@@ -57,6 +57,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("model.dtype", ("--dtype",), _dtype, "auto (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else "
          "float32), float32, bfloat16, float16 (vLLM's half, float, bf16 accepted)",
          metavar="{auto,float32,bfloat16,float16}"),
+    Flag("model.quantization", ("--quantization",), str,
+         "int8: int8 weight-only projections, quantized at load (CPU decode); quantized checkpoints need none",
+         ("int8",)),
     Flag("cache.block_size", ("--block-size",), int, "tokens per KV block, a power of two in 1..1024"),
     Flag("scheduler.max_num_seqs", ("--max-num-seqs",), int, "most sequences running at once"),
     Flag("scheduler.max_num_batched_tokens", ("--max-num-batched-tokens",), int, "most query tokens in one step"),

@@ -16,8 +16,9 @@ drops the plain copy: rtp's C++ panel GEMM (:class:`CpuGemmLinearMethod`,
 oneDNN's blocked format (:class:`OneDNNPackedLinearMethod`, on AVX-512 CPUs for
 fp32 and where oneDNN has native bf16). Both are 2-4x faster than ``F.linear``
 at decode shapes. A quantized format (FP8 blocks, AWQ, int8) is a further
-method: its own parameters (weights and scales) and checkpoint tensors, its
-own matmul.
+method (:mod:`rtp.model.quant`): its own parameters (weights and scales) and
+checkpoint tensors; FP8 and AWQ checkpoints are dequantized into the plain weight after
+loading, int8 weight-only has its own matmul.
 """
 
 from __future__ import annotations
@@ -215,13 +216,13 @@ class LinearBase(nn.Module):
 
 
 def pack_linear_weights(model: nn.Module, method: CpuLinearMethod = "onednn") -> int:
-    """Switch every linear of ``model`` to the packed ``method`` (after loading); returns how many were packed.
+    """Switch every plain linear of ``model`` to the packed ``method`` (after loading); returns how many.
 
     A packed method holds the plain method's parameters and checkpoint tensors, so the switch is a re-layout.
+    Layers of another method (int8 weight-only) keep it.
     """
     packed = PACKED_METHODS[method]
-    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-    assert all(m.method is PLAIN for m in layers), "only plain weights are packed"
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.method is PLAIN]
     # A weight that another module also reads (a tied embedding) keeps its plain copy.
     shared = {id(p) for m in model.modules() if not isinstance(m, LinearBase) for p in m.parameters(recurse=False)}
     for m in layers:

@@ -20,6 +20,7 @@ from rtp.model.attention import AttnMetadata, choose_attn_backend
 from rtp.model.linear import cpu_linear_method, pack_linear_weights
 from rtp.model.loader import LoadReport, load_weights
 from rtp.model.quant import checkpoint_format
+from rtp.model.quant.int8 import quantize_int8
 from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rtp.model.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSpec
 from rtp.runtime.batch import BatchInputs, BatchMirror
@@ -109,10 +110,13 @@ def load_model(
     dtype: torch.dtype,
     max_positions: int | None = None,
     expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> tuple[Qwen3ForCausalLM, LoadReport]:
     """Build this rank's slice of the model (dense Qwen3 or Qwen3-MoE) on its device and load the weights.
 
     ``expert_parallel`` (MoE only): whole experts per rank instead of a slice of every expert.
+    A quantized checkpoint (``quantization_config``: FP8 blocks, AWQ) is dequantized to ``dtype`` at load;
+    ``quantization="int8"`` then makes the attention and MLP projections int8 weight-only.
     """
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     is_moe = getattr(hf_config, "model_type", None) == "qwen3_moe"
@@ -128,9 +132,11 @@ def load_model(
     report = load_weights(model, model_dir, show_progress=ps.rank == 0)
     if quant is not None:
         logger.info("dequantized the %s checkpoint's projections to %s at load", quant.name, dtype)
+    if quantization == "int8":
+        logger.info("int8 weight-only: %d projections quantized per output channel", quantize_int8(model))
     method = cpu_linear_method(ps.device, dtype)
     if method is not None:
-        n = pack_linear_weights(model, method)
+        n = pack_linear_weights(model, method)  # the layers still plain (all, or the LM head and routers)
         logger.info("packed %d linear weights for %s", n, "rtp's CPU GEMM" if method == "gemm" else "oneDNN")
     return model.eval(), report
 
@@ -156,7 +162,7 @@ class ModelRunner:
             logger.warning("neither flash-attn (not installed, dtype %s, or pre-Ampere GPU) nor triton is usable "
                            "here: using the slow torch attention", self.dtype)
         self.model, self.load_report = load_model(model_dir, ps, self.dtype, model_config.max_model_len,
-                                                  config.parallel.expert_parallel)
+                                                  config.parallel.expert_parallel, model_config.quantization)
         self.spec = self.model.spec
         self.max_model_len = model_config.max_model_len or self.spec.max_position_embeddings
         self.block_size = block_size

@@ -1,0 +1,77 @@
+"""int8 weight-only quantization computed at load (``quantization: int8``): W8A16 for CPU decode.
+
+Decode reads every weight once per step and is bound by memory bandwidth: int8 weights are a
+quarter of fp32's bytes and half of bf16's. Each attention and MLP projection (after sharding, so
+a rank's scales cover its own slice) gets symmetric per-output-channel scales,
+``scale[n] = max_k |W[n, k]| / 127`` and ``q = round(W / scale)`` in [-127, 127]; the product is
+``y = (x qᵀ) * scale`` with activations in the compute dtype.
+
+On CPU the product is torch's ``_weight_int8pack_mm`` (x in fp32 or bf16, int8 ``[N, K]``, scale
+``[N]``). Its bf16 kernel crashes the process when K is not a multiple of 8 (torch 2.13), so those
+shapes, other dtypes and other devices (CUDA: W8A16 dequantize-then-matmul) take
+``F.linear(x, q.to(x.dtype)) * scale``. The LM head, the MoE router and the experts stay as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rtp.model.linear import PLAIN, ColumnParallelLinear, LinearBase, PlainLinearMethod, RowParallelLinear
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> (int8 ``[N, K]``, fp32 scale ``[N]``) with ``weight ~ q * scale[:, None]``."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127.0  # [N]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale is exact
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_kernel_supported(device: torch.device, dtype: torch.dtype, in_features: int) -> bool:
+    """True where ``torch._weight_int8pack_mm`` computes this product (see the module docstring)."""
+    if device.type != "cpu" or not hasattr(torch, "_weight_int8pack_mm"):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and in_features % 8 == 0)
+
+
+class Int8WeightOnlyMethod(PlainLinearMethod):
+    """Loads the plain weight, then holds ``int8_weight [N, K]`` and ``int8_scale [N]`` in its place."""
+
+    name = "int8"
+
+    def process_weights_after_loading(self, layer: LinearBase, keep_plain: bool = False) -> None:
+        w = layer.weight.data  # [N, K] in the compute dtype
+        q, scale = quantize_per_channel(w)
+        layer.int8_weight, layer.int8_scale = q, scale.to(w.dtype)
+        layer.out_features = w.shape[0]
+        layer.int8_kernel = int8_kernel_supported(w.device, w.dtype, w.shape[1])
+        if not keep_plain:
+            layer.weight.data = torch.empty(0, dtype=w.dtype, device=w.device)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x [T, K] -> [T, N]
+        q, scale = layer.int8_weight, layer.int8_scale
+        if layer.int8_kernel and x.dtype == scale.dtype:
+            y = torch._weight_int8pack_mm(x.contiguous(), q, scale)
+        else:
+            y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+        return y + bias if bias is not None else y
+
+
+INT8 = Int8WeightOnlyMethod()
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """Switch every attention and MLP projection of ``model`` (loaded, plain) to int8; returns how many.
+
+    The LM head and the MoE router are neither column- nor row-parallel layers, so they stay plain.
+    """
+    layers = [m for m in model.modules()
+              if isinstance(m, ColumnParallelLinear | RowParallelLinear) and m.method is PLAIN]
+    for m in layers:
+        m.method = INT8
+        INT8.process_weights_after_loading(m)
+    return len(layers)

@@ -1,0 +1,61 @@
+"""int8 weight-only projections against a float64 torch matmul with the dequantized weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rtp.distributed.parallel import ParallelState
+from rtp.model.linear import ColumnParallelLinear, RowParallelLinear
+from rtp.model.quant.int8 import INT8, int8_kernel_supported, quantize_int8, quantize_per_channel
+from rtp.runtime.model_runner import load_model
+from rtp.testing import TinyQwen3Spec, make_tiny_qwen3
+
+ONE = ParallelState(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def test_per_channel_quantization_is_within_half_a_step():
+    w = torch.randn(40, 96) * torch.logspace(-2, 1, 40)[:, None]  # rows of very different ranges
+    w[3] = 0.0  # an all-zero row
+    q, scale = quantize_per_channel(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    err = (q.double() * scale.double()[:, None] - w.double()).abs()
+    assert (err <= scale.double()[:, None] / 2 + 1e-7).all()
+    assert (q[3] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(24, 96), (40, 100), (64, 256)])
+@pytest.mark.parametrize("kernel", [True, False], ids=["int8pack", "fallback"])
+def test_int8_linear_matches_dequantized_reference(dtype, n, k, kernel):
+    g = torch.Generator().manual_seed(n * k)
+    layer = ColumnParallelLinear(k, n, ONE, bias=True)
+    layer.weight.data = torch.randn(n, k, generator=g).to(dtype)
+    layer.bias.data = torch.randn(n, generator=g).to(dtype)
+    layer.method = INT8
+    INT8.process_weights_after_loading(layer)
+    assert layer.int8_kernel == int8_kernel_supported(torch.device("cpu"), dtype, k)
+    layer.int8_kernel = layer.int8_kernel and kernel
+    x = torch.randn(7, k, generator=g).to(dtype)
+    want = x.double() @ (layer.int8_weight.double() * layer.int8_scale.double()[:, None]).T + layer.bias.double()
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (7, n)
+    rel = ((got.double() - want).norm() / want.norm()).item()
+    assert rel < (1e-6 if dtype == torch.float32 else 1e-2), rel
+
+
+def test_int8_model_quantizes_every_projection_from_its_float_weight(tmp_path):
+    path = make_tiny_qwen3(tmp_path / "m", TinyQwen3Spec(num_hidden_layers=1))
+    ref, _ = load_model(path, ONE, torch.float32)
+    model, _ = load_model(path, ONE, torch.float32, quantization="int8")
+    projections = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    assert projections and all(m.method is INT8 for m in projections)
+    assert model.lm_head.method is not INT8  # the (tied) head stays in the compute dtype
+    # Every projection's int8 weight times its scales is its fp32 weight to within half a step.
+    for name, m in model.named_modules():
+        if m in projections:
+            k = m.int8_weight.shape[1]
+            plain = dict(ref.named_modules())[name].matmul(torch.eye(k)).t()  # [N, K] from the packed fp32 layer
+            err = (m.int8_weight.float() * m.int8_scale[:, None] - plain).abs()
+            assert (err <= m.int8_scale[:, None] / 2 + 1e-6).all(), name
+    assert quantize_int8(model) == 0  # nothing plain is left to quantize
