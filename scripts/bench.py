@@ -7,6 +7,7 @@
     python scripts/bench.py --preset qwen3-0.6b --num-requests 32 --temperature 1.0   # Qwen3-0.6B shape, sampled
     python scripts/bench.py --preset qwen3-0.6b --dtype bfloat16                     # ... in bfloat16
     python scripts/bench.py --quick --device cuda             # a short GPU run (scripts/gpu_check.sh)
+    python scripts/bench.py --preset qwen3-0.6b --no-hf --quantization none,int8   # rtp fp32 and rtp int8 weights
 
 Every engine runs in a child process of its own, one after the other (never two
 at once), on the same checkpoint and the same requests, in the same dtype, greedy
@@ -20,7 +21,11 @@ off. For each it reports:
   engine takes max(output len) - 1 steps and HF (batched by --hf-batch, left-padded)
   takes the sum over its batches of max(output len in batch) - 1;
 
-then rtp's ratio to each peer (> 1 means rtp is faster), how many requests'
+``--quantization none,int8`` runs rtp at each TP size twice: as it is and with int8 weight-only
+projections (``rtp TP=1 int8``, activations in ``--dtype``), compared like a peer (decode step
+ratio, greedy outputs equal). The roofline floor counts ``--dtype`` weight bytes either way.
+
+Then rtp's ratio to each peer (> 1 means rtp is faster), how many requests'
 greedy outputs equal rtp's, the machine line (threads, measured GEMM GFLOP/s in
 the run's dtype and read bandwidth) and the roofline floor: prefill FLOPs at the
 measured GEMM rate plus, for each decode step, the larger of weight bytes /
@@ -78,7 +83,8 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
     import rtp
 
     rtp.init(None, model=args.model, device=args.device, dtype=args.dtype, log_level="WARNING",
-             enable_prefix_caching=False, max_num_seqs=256, enforce_eager=args.device == "cpu")
+             enable_prefix_caching=False, max_num_seqs=256, enforce_eager=args.device == "cpu",
+             quantization=args.quantization if args.quantization != "none" else None)
     # Worker ranks never get here: they serve inside init() and exit.
     params = [rtp.SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for _, n in reqs]
     prompts = [p for p, _ in reqs]
@@ -305,6 +311,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every engine's dtype")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 = greedy (outputs compared); > 0 samples at that temperature (outputs not compared)")
+    ap.add_argument("--quantization", default="none",
+                    help="comma-separated rtp weight formats: none, int8 (int8 weight-only); each rtp run per format")
     ap.add_argument("--wait-quiet", type=float, default=120.0, help="max seconds to wait for an idle machine")
     ap.add_argument("--engine", choices=sorted(CHILDREN), help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -332,14 +340,18 @@ def main() -> None:
           "--hf-batch", str(args.hf_batch), "--dtype", args.dtype, "--temperature", str(args.temperature)]
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: args.threads])
     runs: list[tuple[str, list[str], dict[str, str]]] = []
+    formats = args.quantization.split(",")
+    if not set(formats) <= {"none", "int8"}:
+        ap.error(f"--quantization {args.quantization!r}: expected none, int8 or both, comma-separated")
     for tp in (int(t) for t in args.tp.split(",")):
         # The same cores in total: TP=1 uses every thread, TP=N splits them over the ranks.
         env = {**base_env, "OMP_NUM_THREADS": str(max(1, args.threads // tp))}
-        if tp == 1:
-            runs.append(("rtp TP=1", [sys.executable, *me, "--engine", "rtp"], env))
-        else:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
-            runs.append((f"rtp TP={tp}", [*launcher, *me, "--engine", "rtp"], env))
+        launcher = [] if tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       f"--nproc-per-node={tp}"]
+        for fmt in formats:
+            name = f"rtp TP={tp}" + ("" if fmt == "none" else f" {fmt}")
+            cmd = [*launcher, *([sys.executable] if tp == 1 else []), *me, "--quantization", fmt, "--engine", "rtp"]
+            runs.append((name, cmd, env))
     if not args.no_hf:
         runs.append(("HF", [sys.executable, *me, "--engine", "hf"], {**base_env, "OMP_NUM_THREADS": str(args.threads)}))
     if args.vllm_python:
@@ -370,13 +382,13 @@ def main() -> None:
         floor = roofline_floor(args.model, reqs, 2 if args.dtype == "bfloat16" else 4, gflops, gbs)
         print(f"roofline floor of generate(): {floor:.2f} s (prefill FLOPs at {gflops:.0f} GFLOP/s, each decode step "
               f"max(weight bytes / {gbs:.0f} GB/s, FLOPs / GEMM rate))")
-    print(f"{'engine':<10} {'process s':>10} {'generate s':>11} {'/ floor':>8} {'prefill tok/s':>14} "
+    print(f"{'engine':<14} {'process s':>10} {'generate s':>11} {'/ floor':>8} {'prefill tok/s':>14} "
           f"{'decode ms/step':>15}")
     for name, r in results.items():
         decode_ms = (r["generate_s"] - r["prefill_s"]) / max(1, r["decode_steps"]) * 1e3
         r["decode_ms"] = decode_ms
         over = f"{r['generate_s'] / floor:.2f}" if floor else "-"
-        print(f"{name:<10} {r['process_s']:>10.2f} {r['generate_s']:>11.2f} {over:>8} "
+        print(f"{name:<14} {r['process_s']:>10.2f} {r['generate_s']:>11.2f} {over:>8} "
               f"{prompt_tokens / r['prefill_s']:>14.0f} {decode_ms:>15.2f}")
     for name, r in results.items():
         if not name.startswith("rtp"):
