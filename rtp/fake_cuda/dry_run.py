@@ -43,7 +43,7 @@ DECODE_BATCHES = (1, 3, 6)  # a graph's exact size, padded to 4, above the large
 class Case:
     """One configuration of the dry run."""
 
-    model: str  # "dense" or "moe"
+    model: str  # "dense", "moe", or a quantized checkpoint: "moe-fp8", "dense-awq"
     tp: int
     backend: str  # attention backend forced on the runner: "triton" or "torch"
     expert_parallel: bool = False
@@ -123,6 +123,9 @@ class _RealSlice:
 
     def get_shape(self) -> list[int]:
         return self._source.get_shape()
+
+    def get_dtype(self) -> str:
+        return self._source.get_dtype()
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
         with unset_fake_temporarily():

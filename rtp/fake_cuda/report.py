@@ -9,25 +9,34 @@ import torch
 
 from rtp.fake_cuda.dry_run import Case, StageResult, run_rank
 from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec, make_tiny_qwen3
+from rtp.testing_quant import write_awq_checkpoint, write_fp8_checkpoint
 
 BACKENDS = ("triton", "torch")  # every choice that does not need flash-attn installed
 
 
 def default_cases() -> list[Case]:
-    """Dense and MoE x TP 1 and 2 x each backend, and expert-parallel MoE at TP 2."""
+    """Dense and MoE x TP 1 and 2 x each backend, expert-parallel MoE at TP 2, quantized checkpoints at TP 2."""
     cases = [Case(model, tp, backend) for model in ("dense", "moe") for tp in (1, 2) for backend in BACKENDS]
-    return cases + [Case("moe", 2, "triton", expert_parallel=True)]
+    return cases + [Case("moe", 2, "triton", expert_parallel=True), Case("moe-fp8", 2, "triton"),
+                    Case("dense-awq", 2, "triton")]
 
 
 def make_models(root: Path) -> dict[str, Path]:
     """The tiny random bf16 checkpoints of the dry run, written under ``root``.
 
     Shapes only matter in a trace, so the models are as small as covers every path: dense Qwen3 with one
-    layer; Qwen3-MoE with a dense layer (``mlp_only_layers``) then a sparse one.
+    layer; Qwen3-MoE with a dense layer (``mlp_only_layers``) then a sparse one; that MoE in Qwen's FP8
+    block format, and a dense Qwen3 of AWQ-sized projections (inputs a multiple of 128) in AWQ.
     """
+    moe = make_tiny_qwen3(root / "moe", TinyQwen3MoeSpec(mlp_only_layers=(0,)), torch.bfloat16)
+    awq_src = make_tiny_qwen3(root / "awq-src", TinyQwen3Spec(hidden_size=128, num_attention_heads=2,
+                                                             num_key_value_heads=1, head_dim=64,
+                                                             num_hidden_layers=1), torch.bfloat16)
     return {
         "dense": make_tiny_qwen3(root / "dense", TinyQwen3Spec(num_hidden_layers=1), torch.bfloat16),
-        "moe": make_tiny_qwen3(root / "moe", TinyQwen3MoeSpec(mlp_only_layers=(0,)), torch.bfloat16),
+        "moe": moe,
+        "moe-fp8": write_fp8_checkpoint(moe, root / "moe-fp8"),
+        "dense-awq": write_awq_checkpoint(awq_src, root / "dense-awq", root / "awq-ref"),
     }
 
 

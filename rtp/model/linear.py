@@ -23,7 +23,9 @@ loading, int8 weight-only has its own matmul.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -58,10 +60,30 @@ def frozen_param(data: torch.Tensor, loader: Callable[..., None]) -> nn.Paramete
     return param
 
 
+# True while a weight loader loads a factor of the weight (an FP8 weight or its block scale): the
+# slice is multiplied into the parameter (which starts at one) instead of copied over it.
+_MULTIPLY: contextvars.ContextVar[bool] = contextvars.ContextVar("rtp_load_multiply", default=False)
+
+
+@contextlib.contextmanager
+def multiplying_loads() -> Iterator[None]:
+    """Within: every weight loader multiplies its slice into the parameter instead of copying it."""
+    token = _MULTIPLY.set(True)
+    try:
+        yield
+    finally:
+        _MULTIPLY.reset(token)
+
+
 def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
     if list(param.shape) != list(value.shape):
         raise CheckpointError(f"slice of shape {list(value.shape)} does not fit parameter {list(param.shape)}")
-    param.data.copy_(value)
+    if not _MULTIPLY.get():
+        param.data.copy_(value)
+    elif value.dtype.itemsize == 1:  # an fp8 factor: exact in the parameter's dtype (no fp8 type promotion)
+        param.data.mul_(value.to(param.dtype))
+    else:  # a scale: the product is computed in the wider dtype and rounded once
+        param.data.mul_(value)
 
 
 def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -198,6 +220,10 @@ class LinearBase(nn.Module):
     packed_method: CpuLinearMethod | None = None  # which one packed it
     out_features: int = 0  # rows of the weight, kept by the packed methods (the plain copy is dropped)
     method: LinearMethod = PLAIN
+    compute_dtype: torch.dtype = torch.float32  # set by a method that builds the weight after loading
+    int8_weight: torch.Tensor | None = None  # [out, in] int8 and [out] scales: rtp.model.quant.int8
+    int8_scale: torch.Tensor | None = None
+    int8_kernel: bool = False  # whether torch's int8 matmul computes this layer's product
     full_shapes: dict[object, tuple[int, int]] = {}  # replaced per instance, never mutated
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,8 +21,9 @@ from rtp.model.linear import (
     RowParallelLinear,
     divide,
 )
-from rtp.model.quant import DequantLinearMethod, QuantFormat
+from rtp.model.moe import FusedMoE
 from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, qk_norm_rope, rope_inv_freq
+from rtp.model.quant import DequantLinearMethod, QuantFormat
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ class Qwen3ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.method.process_weights_after_loading(module)
-            elif module is not self and hasattr(module, "process_weights_after_loading"):  # stacked MoE experts
+            elif isinstance(module, FusedMoE):
                 module.process_weights_after_loading()
 
     def param_for(self, name: str) -> tuple[str, object]:

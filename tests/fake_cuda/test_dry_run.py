@@ -26,7 +26,8 @@ def test_every_case_and_stage_passes(models):
     failed = [f"{r.case} / {r.stage}: {r.note}\n{r.errors}" for r in rows if r.status == "FAIL"]
     assert not failed, "\n".join(failed)
     seen = {(r.case.model, r.case.tp, r.case.backend) for r in rows}
-    assert seen == {(m, tp, b) for m in ("dense", "moe") for tp in (1, 2) for b in ("triton", "torch")}
+    assert seen == {(m, tp, b) for m in ("dense", "moe") for tp in (1, 2) for b in ("triton", "torch")} | {
+        ("moe-fp8", 2, "triton"), ("dense-awq", 2, "triton")}
     for r in rows:
         # Graph stages run where graphs exist (triton); the torch backend decodes eagerly.
         if r.stage == "CUDA-graph capture":

@@ -61,7 +61,8 @@ def checkpoint_format(hf_config: Any) -> QuantFormat | None:
     if not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
     method = qc.get("quant_method")
-    skipped = [m for m in qc.get("modules_to_not_convert") or [] if not str(m).endswith(("lm_head", "embed_tokens", "gate"))]
+    plain = ("lm_head", "embed_tokens", "gate")  # stored unquantized by rtp's reading anyway
+    skipped = [m for m in qc.get("modules_to_not_convert") or [] if not str(m).endswith(plain)]
     if skipped:
         raise _bad("modules_to_not_convert", skipped, "rtp reads checkpoints whose every projection is quantized")
     if method == "fp8":

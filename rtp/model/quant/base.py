@@ -3,17 +3,22 @@
 A :class:`QuantFormat` names the checkpoint tensors of one projection (``weight`` and
 ``weight_scale_inv`` for FP8 blocks; ``qweight``, ``qzeros``, ``scales`` for AWQ), their full
 shapes (from the projection's ``[N, K]``), and for each a dense ``[N, K]`` view
-(:mod:`rtp.model.quant.views`). :class:`DequantLinearMethod` registers one buffer parameter per
-tensor (named as in the checkpoint), of this rank's ``[out_local, in_local]`` shape, loaded through the layer's own weight
-loader from that view: every column/row shard, merged projection and replicated KV head is sliced
-exactly as a plain weight is. After loading, :meth:`QuantFormat.dequantize` combines the buffers
-element by element into the plain weight in the compute dtype and the buffers are dropped, so
-the layer runs the plain method (and is packed for the CPU GEMM like any other). The stacked MoE
-experts (:class:`rtp.model.moe.FusedMoE`) use the same tensors through :func:`expert_buffers`.
+(:mod:`rtp.model.quant.views`). :class:`DequantLinearMethod` registers one buffer parameter
+per tensor, named as in the checkpoint, of this rank's ``[out_local, in_local]`` shape, and
+loads it through the layer's own weight loader from that view: every column/row shard,
+merged projection and replicated KV head is sliced exactly as a plain weight is. After
+loading, :meth:`QuantFormat.dequantize` combines the buffers element by element into the
+plain weight in the compute dtype and the buffers are dropped, so the layer runs the plain
+method (and is packed for the CPU GEMM like any other). The stacked MoE experts
+(:class:`rtp.model.moe.FusedMoE`) use the same tensors through :func:`expert_buffers`.
 
-The buffers hold expanded scales (one per element) for a moment: while loading, a rank holds
-about ``1 + 4`` bytes per FP8 weight element and ``1 + 1 + 2`` per AWQ element, then the
-compute dtype's.
+A format whose tensors are all factors of the weight (:attr:`QuantFormat.multiplicative`: FP8's
+``weight x weight_scale_inv``) needs no buffers: the plain weight starts at one and every tensor
+is multiplied into it as it is loaded (:func:`rtp.model.linear.multiplying_loads`); the other
+tensors are registered as empty handles that only carry their loader. So an FP8 checkpoint takes
+no more memory at load than its dequantized weights (2 bytes per element in bf16), which is what
+lets Qwen3-30B-A3B-FP8 load on one GPU. Other formats (AWQ's ``(q - z) x s``) load into buffers
+with expanded scales, about ``1 + 1 + 2`` bytes per element for a moment.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rtp.model.linear import PLAIN, LinearBase, LinearMethod, frozen_param, load_full
+from rtp.model.linear import PLAIN, LinearBase, LinearMethod, frozen_param, load_full, multiplying_loads
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class QuantFormat:
 
     name: str = ""
     tensors: tuple[QuantTensor, ...] = ()
+    multiplicative: bool = False
+    """True when the weight is the product of the tensors' dense views (multiplied in while loading)."""
 
     def check_shape(self, what: str, out_features: int, in_features: int) -> None:
         """Raise ModelShapeError if a projection of this shape cannot be held in this format."""
@@ -64,6 +71,47 @@ def _wrap(loader: Callable[..., None], view: Callable[[Any, tuple[int, int]], An
     return load
 
 
+def _multiply_into(target: Callable[[], nn.Parameter], loader: Callable[..., None],
+                   view: Callable[[Any, tuple[int, int]], Any],
+                   full_shape: Callable[[object], tuple[int, int]]) -> Callable[..., None]:
+    """A weight loader that multiplies the dense view of its source into ``target()`` (whatever it is called on)."""
+    def load(param: nn.Parameter, source: Any, shard_id: object = None) -> None:
+        with multiplying_loads():
+            loader(target(), view(source, full_shape(shard_id)), shard_id)
+    return load
+
+
+def _register(module: nn.Module, fmt: QuantFormat, stem: str, shape: tuple[int, ...], loader: Callable[..., None],
+              full_shape: Callable[[object], tuple[int, int]]) -> None:
+    """The parameters of ``fmt``'s tensors on ``module``, named ``{stem}{suffix}`` (see the module docstring)."""
+    if fmt.multiplicative:
+        weight = stem + "weight"
+        setattr(module, weight, frozen_param(torch.ones(*shape), lambda *a: None))
+        for t in fmt.tensors:
+            load = _multiply_into(lambda: getattr(module, weight), loader, t.view, full_shape)
+            if t.suffix == "weight":
+                getattr(module, weight).weight_loader = load
+            else:  # an empty handle: the loader finds it by the checkpoint name and calls its weight_loader
+                setattr(module, stem + t.suffix, frozen_param(torch.empty(0), load))
+        return
+    for t in fmt.tensors:
+        setattr(module, stem + t.suffix,
+                frozen_param(torch.empty(*shape, dtype=t.dtype), _wrap(loader, t.view, full_shape)))
+
+
+def _finish(module: nn.Module, fmt: QuantFormat, stem: str, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight of ``{stem}*`` in ``dtype``; the format's other parameters are removed."""
+    if fmt.multiplicative:
+        for t in fmt.tensors:
+            if t.suffix != "weight":
+                delattr(module, stem + t.suffix)
+        return getattr(module, stem + "weight").data
+    buffers = {t.suffix: getattr(module, stem + t.suffix).data for t in fmt.tensors}
+    for t in fmt.tensors:
+        delattr(module, stem + t.suffix)
+    return fmt.dequantize(buffers, dtype)
+
+
 class DequantLinearMethod(LinearMethod):
     """The linear method of a :class:`QuantFormat`: its tensors while loading, the plain weight after."""
 
@@ -76,19 +124,14 @@ class DequantLinearMethod(LinearMethod):
             self.fmt.check_shape(f"projection {shard}" if shard is not None else "projection", n, k)
         layer.compute_dtype = torch.get_default_dtype()
         # Named as the checkpoint names them, so the model's name mapping (q_proj -> qkv_proj) applies.
-        for t in self.fmt.tensors:
-            loader = _wrap(weight_loader, t.view, lambda shard: layer.full_shapes[shard])
-            setattr(layer, t.suffix, frozen_param(torch.empty(out_local, in_local, dtype=t.dtype), loader))
+        _register(layer, self.fmt, "", (out_local, in_local), weight_loader, lambda shard: layer.full_shapes[shard])
 
     def checkpoint_tensors(self, prefix: str, out_features: int, in_features: int) -> dict[str, list[int]]:
         return {f"{prefix}.{t.suffix}": t.shape(out_features, in_features) for t in self.fmt.tensors}
 
     def process_weights_after_loading(self, layer: LinearBase, keep_plain: bool = False) -> None:
         """Dequantize into ``layer.weight`` (the compute dtype), drop the buffers, switch to the plain method."""
-        buffers = {t.suffix: getattr(layer, t.suffix).data for t in self.fmt.tensors}
-        weight = self.fmt.dequantize(buffers, layer.compute_dtype)
-        for t in self.fmt.tensors:
-            delattr(layer, t.suffix)
+        weight = _finish(layer, self.fmt, "", layer.compute_dtype)
         layer.weight = frozen_param(weight, load_full)
         layer.method = PLAIN
 
@@ -98,15 +141,10 @@ class DequantLinearMethod(LinearMethod):
 
 def expert_buffers(module: nn.Module, fmt: QuantFormat, stem: str, shape: tuple[int, int, int],
                    loader: Callable[..., None], full_shape: Callable[[object], tuple[int, int]]) -> None:
-    """Register ``{stem}_{suffix}`` buffers of ``shape`` on a stacked-experts module for each format tensor."""
-    for t in fmt.tensors:
-        param = frozen_param(torch.empty(*shape, dtype=t.dtype), _wrap(loader, t.view, full_shape))
-        setattr(module, f"{stem}_{t.suffix}", param)
+    """Register the ``{stem}_{suffix}`` parameters of ``fmt``'s tensors, stacks of ``shape``, on an experts module."""
+    _register(module, fmt, stem + "_", shape, loader, full_shape)
 
 
 def dequantize_experts(module: nn.Module, fmt: QuantFormat, stem: str, dtype: torch.dtype) -> torch.Tensor:
-    """The dense ``[E, N, K]`` stack of ``{stem}_*`` buffers in ``dtype``; the buffers are removed."""
-    buffers = {t.suffix: getattr(module, f"{stem}_{t.suffix}").data for t in fmt.tensors}
-    for t in fmt.tensors:
-        delattr(module, f"{stem}_{t.suffix}")
-    return fmt.dequantize(buffers, dtype)
+    """The dense ``[E, N, K]`` stack of the ``{stem}_*`` parameters in ``dtype``; the format's others are removed."""
+    return _finish(module, fmt, stem + "_", dtype)

@@ -7,8 +7,10 @@ Checkpoint tensors of a projection of shape ``[N, K]`` (``quant_method: fp8``,
 
 A TP shard need not be a multiple of 128: the scale is read through an expanded view
 (:class:`rtp.model.quant.views.BlockScaleView`), so a block cut by a shard boundary gives both
-ranks its one scale, unchanged. Dequantized in fp32 (every e4m3 value and every bf16 scale is
-exact there; one rounding of the product), then cast to the compute dtype.
+ranks its one scale, unchanged. Both tensors are multiplied into the weight as they load (it
+starts at one): an e4m3 value is exact in bf16 and fp32, and the product with the scale is
+rounded once, to the compute dtype. (With fp32 scales, a bf16 compute dtype and a scale read
+before its weight, the scale is rounded to bf16 first: one more rounding. Qwen's scales are bf16.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class Fp8BlockFormat(QuantFormat):
     """FP8 e4m3 weights with ``block = (rows, cols)`` scale blocks (128 x 128 in every Qwen release)."""
 
     name = "fp8"
+    multiplicative = True
 
     def __init__(self, block: tuple[int, int] = (128, 128)) -> None:
         self.block = block
@@ -33,6 +36,3 @@ class Fp8BlockFormat(QuantFormat):
                         lambda source, full: BlockScaleView(source, full, block)),
         )
 
-    def dequantize(self, buffers: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        # [..., N, K] fp8 x [..., N, K] fp32 (the scale, expanded per element) -> [..., N, K] dtype
-        return (buffers["weight"].float() * buffers["weight_scale_inv"]).to(dtype)

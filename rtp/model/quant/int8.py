@@ -54,6 +54,7 @@ class Int8WeightOnlyMethod(PlainLinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x [T, K] -> [T, N]
         q, scale = layer.int8_weight, layer.int8_scale
+        assert q is not None and scale is not None, "int8 weights are set after loading"
         if layer.int8_kernel and x.dtype == scale.dtype:
             y = torch._weight_int8pack_mm(x.contiguous(), q, scale)
         else:
