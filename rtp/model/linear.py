@@ -81,9 +81,9 @@ def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
     if not _MULTIPLY.get():
         param.data.copy_(value)
     elif value.dtype.itemsize == 1:  # an fp8 factor: exact in the parameter's dtype (no fp8 type promotion)
-        param.data.mul_(value.to(param.dtype))
+        param.data.mul_(value.to(param.device, param.dtype))  # read on the CPU; mul_, unlike copy_, needs one device
     else:  # a scale: the product is computed in the wider dtype and rounded once
-        param.data.mul_(value)
+        param.data.mul_(value.to(param.device))
 
 
 def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
