@@ -33,6 +33,7 @@ from rtp.config.sections import (
     RtpConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     flat_keys,
     setting_keys,
     value_of,
@@ -40,6 +41,6 @@ from rtp.config.sections import (
 
 __all__ = [
     "OVERRIDE_SOURCE", "CacheConfig", "LivenessConfig", "ModelConfig", "ParallelConfig", "RtpConfig",
-    "SchedulerConfig", "ServerConfig", "config_from_dict", "default_config_path", "flat_keys", "load_config",
-    "replace_settings", "resolve_tp_size", "setting_keys", "value_of",
+    "SchedulerConfig", "ServerConfig", "SpeculativeConfig", "config_from_dict", "default_config_path",
+    "flat_keys", "load_config", "replace_settings", "resolve_tp_size", "setting_keys", "value_of",
 ]

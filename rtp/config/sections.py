@@ -2,7 +2,7 @@
 
 :class:`RtpConfig` groups them: ``config.model``, ``config.parallel``,
 ``config.cache``, ``config.scheduler``, ``config.liveness``, ``config.server``,
-plus ``config.log_level``. Every section validates itself when built, so a
+``config.speculative_config``, plus ``config.log_level``. Every section validates itself when built, so a
 directly constructed section is as checked as one loaded from YAML.
 """
 
@@ -195,6 +195,72 @@ class ServerConfig(Section):
         return None
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
+"""Methods ``speculative_config.method`` accepts (vLLM's names); only "ngram" runs yet."""
+
+IMPLEMENTED_SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(Section):
+    """Speculative decoding (vLLM's ``speculative_config``): a proposer drafts tokens, the model verifies
+    them in one step, and the output is exactly what decoding without it gives (greedy: the same tokens;
+    sampled: the same distribution, and with a seed the same tokens)."""
+
+    flat: ClassVar[bool] = False  # always under `speculative_config:`
+
+    method: str | None = setting(None, choice(*SPECULATIVE_METHODS, nullable=True))
+    """"ngram" (prompt lookup over prompt + output), "draft_model" or "eagle3" (not implemented yet), or
+    None: no speculation."""
+    num_speculative_tokens: int | None = setting(None, integer(1, 64, nullable=True))
+    """Most draft tokens per sequence and step, in [1, 64]; required with a method."""
+    prompt_lookup_min: int | None = setting(None, integer(1, 64, nullable=True))
+    """ngram: shortest suffix of the context that must recur earlier for a draft, in [1, 64]; None: 2, or
+    prompt_lookup_max when only that is given and smaller."""
+    prompt_lookup_max: int | None = setting(None, integer(1, 64, nullable=True))
+    """ngram: longest suffix matched, in [prompt_lookup_min, 64]; None: max(prompt_lookup_min, 5)."""
+    model: str | None = setting(None, text("a checkpoint folder path", nullable=True))
+    """draft_model / eagle3: the draft checkpoint (not implemented yet)."""
+    draft_tensor_parallel_size: int | None = setting(None, integer(1, nullable=True))
+    """draft_model: ranks the draft runs on, 1 or the target's (not implemented yet)."""
+    disable_by_batch_size: int | None = setting(16, integer(1, nullable=True))
+    """No drafts in a step while more than this many sequences run (verifying k drafts costs k + 1 query
+    tokens per sequence, which a large batch pays for without gaining latency), >= 1; None: never."""
+    min_acceptance_rate: float = setting(0.1, number("a number in [0, 1]", lambda v: 0.0 <= v <= 1.0))
+    """A sequence whose drafts were accepted at less than this rate (over its recent drafts) stops
+    drafting and tries again later, in [0, 1]; 0 never stops."""
+
+    @classmethod
+    def joint_rule(cls, values: Mapping[str, Any], key_of: Callable[[str], str]) -> tuple[str, str] | None:
+        method = values["method"]
+        if method is None:
+            return None
+        if method not in IMPLEMENTED_SPECULATIVE_METHODS:
+            return "method", ("one of " + ", ".join(IMPLEMENTED_SPECULATIVE_METHODS)
+                              + f" ('{method}' is not implemented yet)")
+        if values["num_speculative_tokens"] is None:
+            return "num_speculative_tokens", f"an integer in [1, 64] with {key_of('method')}={method!r}"
+        lo, hi = values["prompt_lookup_min"], values["prompt_lookup_max"]
+        if lo is not None and hi is not None and lo > hi:
+            return "prompt_lookup_max", f"an integer >= {key_of('prompt_lookup_min')}={lo}"
+        return None
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """(shortest, longest) suffix the ngram proposer matches, defaults filled in."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None:
+            lo = 2 if hi is None else min(2, hi)
+        if hi is None:
+            hi = max(lo, 5)
+        return lo, hi
+
+    @property
+    def enabled(self) -> bool:
+        """True when a method is set."""
+        return self.method is not None
+
+
 @dataclass(frozen=True)
 class RtpConfig(Section):
     """Everything a run needs besides the prompts, in sections: model, parallel, cache, scheduler, liveness,
@@ -212,6 +278,8 @@ class RtpConfig(Section):
     """Hung-rank and stuck-step bounds (``liveness:``)."""
     server: ServerConfig = section(ServerConfig)
     """HTTP server settings (``server:``)."""
+    speculative_config: SpeculativeConfig = section(SpeculativeConfig)
+    """Speculative decoding (``speculative_config:``, as vLLM spells it); off by default."""
     log_level: str = setting("INFO", choice("DEBUG", "INFO", "WARNING", "ERROR", fold_case=True))
     """Log level of rank 0: DEBUG, INFO, WARNING or ERROR (other ranks log warnings and errors only)."""
 

@@ -13,6 +13,7 @@ whole config (rules that join keys). Keys vLLM has no flag for keep rtp's own na
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -50,6 +51,17 @@ def _dtype(value: str) -> str:
     return _DTYPE_ALIASES.get(value, value)
 
 
+def _json_mapping(value: str) -> dict[str, Any]:
+    """A JSON object given on the command line (``--speculative-config '{"method": "ngram", ...}'``)."""
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at column {e.colno}): {value!r}") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return data
+
+
 ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("parallel.tensor_parallel_size", ("--tensor-parallel-size", "-tp"), int,
          "ranks the model is split over; `rtp serve` starts that many (default: torchrun's world size)"),
@@ -79,6 +91,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("liveness.step_timeout_s", ("--step-timeout-s",), float,
          "seconds one step may run before it is reported stuck"),
     Flag("model.seed", ("--seed",), int, "seed of the default random generator"),
+    Flag("speculative_config", ("--speculative-config",), _json_mapping,
+         'speculative decoding as a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+         metavar="JSON"),
     Flag("log_level", ("--log-level",), str, "log level of rank 0", ("DEBUG", "INFO", "WARNING", "ERROR"),
          metavar="{DEBUG,INFO,WARNING,ERROR}"),
 )
@@ -143,6 +158,8 @@ _INVALID = re.compile(r"^\S+: \S+=.* is invalid: (.*)$")
 
 
 def _flag_error(flag: Flag, value: Any, error: ConfigError) -> ConfigError:  # noqa: ANN401
+    if isinstance(value, dict):  # a section given as JSON: the error names the key inside it
+        return ConfigError(f"{flag.names[0]}: {str(error).removeprefix('override: ')}")
     shown = str(value).lower() if isinstance(value, bool) else value
     if flag.key == "server.api_key":
         shown = "<hidden>"  # a key never goes to a log
