@@ -134,6 +134,10 @@ class GrammarConstraint:
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (draft tokens checked for a verification step)."""
+        self.matcher.rollback(num_tokens)
+
 
 class GrammarCompiler:
     """Compiles GrammarSpecs for one tokenizer, with an LRU cache of the compiled grammars.

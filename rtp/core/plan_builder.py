@@ -65,6 +65,7 @@ class PlanBuilder:
             sent[seq_id] = (len(tokens), len(table))
         cached.num_new_tokens = list(running_tokens)
         cached.rollback_tokens, cached.rollback_blocks = [0] * len(ids), [0] * len(ids)
+        cached.draft_counts = [0] * len(ids)  # drafts, if any, are added by add_drafts
         if self._rollback:
             for i, seq_id in enumerate(ids):
                 if seq_id in self._rollback:
@@ -73,6 +74,28 @@ class PlanBuilder:
         if new or running:
             plan.freed_seq_ids, self._pending_freed = self._pending_freed, []
         return plan
+
+    def add_drafts(self, plan: StepPlan, drafts: list[list[int]]) -> None:
+        """Append each cached sequence's draft tokens (``drafts[i]`` for ``plan.cached_seqs[i]``, [] for
+        none) to its delta, after its new tokens; the mirrors then hold them as tokens too.
+
+        Only for steps with drafts: the token column is rebuilt (one pass over the step's new tokens).
+        Once the drafts are verified, :meth:`rollback` drops the rejected ones from the mirrors.
+        """
+        cached = plan.cached_seqs
+        assert len(drafts) == len(cached.seq_ids)
+        flat: list[int] = []
+        start = 0
+        for i, (seq_id, count, draft) in enumerate(zip(cached.seq_ids, cached.token_counts, drafts)):
+            flat += cached.token_ids[start : start + count]
+            start += count
+            if draft:
+                flat += draft
+                cached.token_counts[i] = count + len(draft)
+                cached.draft_counts[i] = len(draft)
+                tokens, blocks = self._sent[seq_id]
+                self._sent[seq_id] = (tokens + len(draft), blocks)
+        cached.token_ids = flat
 
     def rollback(self, seq_id: int, num_tokens: int, num_blocks: int) -> None:
         """Record that only the first ``num_tokens`` tokens and ``num_blocks`` blocks the workers hold of

@@ -68,12 +68,14 @@ class ScheduleResult:
     seqs: list[Sequence] = field(default_factory=list)  # [B]
     num_new_tokens: list[int] = field(default_factory=list)  # [B] query length, as in ScheduledSeq
     needs_sample: list[bool] = field(default_factory=list)  # [B] a token is sampled for the sequence
+    drafts: list[list[int]] | None = None  # [B] draft tokens each sequence verifies ([] for none); None: no drafts
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append one sequence's share of the step (before its KV progress moves)."""
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
-        self.needs_sample.append(seq.num_computed_tokens + num_new_tokens == len(seq.token_ids))
+        # >=: a chunk with drafts reaches past the known tokens
+        self.needs_sample.append(seq.num_computed_tokens + num_new_tokens >= len(seq.token_ids))
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:

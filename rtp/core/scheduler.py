@@ -50,6 +50,7 @@ from rtp.core.schedule_types import (
     SchedulerStats,
 )
 from rtp.core.sequence import Sequence, SequenceStatus
+from rtp.core.verified_step import apply_verified_step
 from rtp.errors import RequestError
 from rtp.log import get_logger
 
@@ -141,17 +142,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ steps
 
-    def schedule(self) -> ScheduleResult:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> ScheduleResult:
         """Plan the next step. The plan is empty (no tokens) when nothing can run.
 
-        Every non-empty result must be passed to ``postprocess`` before the next
-        call. Ids to free are only carried by non-empty plans, so an engine may
-        skip executing empty ones.
+        ``drafts`` (speculative decoding) maps ids of decoding running sequences to draft tokens to
+        verify in this step; they count against the token budget and get KV slots, and may be cut to
+        what fits. A result with drafts must be passed to ``postprocess_speculative``, any other
+        non-empty result to ``postprocess``, before the next call. Ids to free are only carried by
+        non-empty plans, so an engine may skip executing empty ones.
         """
         if self._awaiting_postprocess:
             raise RuntimeError("schedule() called again before postprocess() of the previous step")
         cfg = self.config
-        running, budget, logit_rows, preempted = self._schedule_running()
+        running, budget, logit_rows, preempted = self._schedule_running(drafts)
         admitted = ScheduleResult()
         if not preempted:  # after a preemption the cache is short: admitting now would only thrash
             budget, logit_rows = self._admit(self._forked, admitted, budget, logit_rows)
@@ -163,6 +166,9 @@ class Scheduler:
             admitted.num_new_tokens + running.num_new_tokens,
             admitted.needs_sample + running.needs_sample,
         )
+        if running.drafts is not None:
+            self.plans.add_drafts(plan, running.drafts)
+            result.drafts = [[] for _ in admitted.seqs] + running.drafts
         self._awaiting_postprocess = bool(result.seqs)
         assert plan.num_tokens <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
@@ -220,6 +226,13 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def postprocess_speculative(
+        self, result: ScheduleResult, runs: list[list[int]],
+        forks: dict[int, list[tuple[Sequence, int]]] | None = None,
+    ) -> list[Sequence]:
+        """Apply a computed step with drafts (see :func:`rtp.core.verified_step.apply_verified_step`)."""
+        return apply_verified_step(self, result, runs, forks)
+
     @property
     def stats(self) -> SchedulerStats:
         """Current gauges and cumulative counters."""
@@ -236,8 +249,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _schedule_running(self) -> tuple[ScheduleResult, int, int, bool]:
-        """Step 1 of the policy: the running sequences' chunks.
+    def _schedule_running(self, drafts: dict[int, list[int]] | None = None) -> tuple[ScheduleResult, int, int, bool]:
+        """Step 1 of the policy: the running sequences' chunks (a decode with drafts: 1 + its drafts).
 
         Returns their shares, the token budget and prompt-logit rows left, and whether anything was preempted.
         """
@@ -246,6 +259,8 @@ class Scheduler:
         logit_rows = cfg.max_prompt_logit_rows  # prompt positions left this step for prompt logprobs
         bs = cfg.block_size
         running = ScheduleResult()
+        if drafts:
+            running.drafts = []
         preempted = False
         for seq in list(self.running):
             if budget == 0:
@@ -259,6 +274,10 @@ class Scheduler:
                 n = min(n, logit_rows)
                 if n == 0:
                     continue  # its next chunk waits for the next step
+            draft = drafts.get(seq.seq_id) if drafts else None
+            if draft:
+                assert n == 1, f"drafts for {seq}, which is not decoding"
+                n += len(draft)
             if n > budget:
                 n = budget
             if computed + n > len(seq.block_table) * bs:
@@ -279,6 +298,8 @@ class Scheduler:
             if seq.needs_prompt_logits:
                 logit_rows -= n
             running.add(seq, n)
+            if running.drafts is not None:
+                running.drafts.append(draft[: n - 1] if draft else [])
         return running, budget, logit_rows, preempted
 
     def _admit(

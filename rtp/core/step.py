@@ -12,6 +12,11 @@ ids from the tail of the mirror (tokens that were cut back on rank 0, such as
 rejected speculative tokens; the number of computed tokens is capped to what
 is left), then appends ``new_token_ids`` (any number: the sampled token of a
 decode step, or several) and ``new_block_ids``.
+
+Speculative decoding: the last ``num_draft_tokens`` of a delta's new tokens
+are drafts, not known tokens. The step computes them like any other query
+token, and the logits of its last ``1 + num_draft_tokens`` positions come back
+(the verification rows); rank 0 rolls the rejected ones back in a later delta.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class CachedSeq:
     new_block_ids: list[int]  # blocks appended to the block table since the last step
     rollback_tokens: int = 0  # tokens dropped from the mirror's tail before new_token_ids are appended
     rollback_blocks: int = 0  # block ids dropped from the mirror's tail before new_block_ids are appended
+    num_draft_tokens: int = 0  # of new_token_ids, the last ones that are drafts to verify (speculative decoding)
 
 
 class CachedSeqs:
@@ -73,7 +79,7 @@ class CachedSeqs:
     """
 
     __slots__ = ("seq_ids", "num_new_tokens", "token_counts", "token_ids", "block_counts", "block_ids",
-                 "rollback_tokens", "rollback_blocks")
+                 "rollback_tokens", "rollback_blocks", "draft_counts")
 
     def __init__(self, seqs: Iterable[CachedSeq] = ()) -> None:
         self.seq_ids: list[int] = []  # [n]
@@ -84,6 +90,7 @@ class CachedSeqs:
         self.block_ids: list[int] = []  # [sum(block_counts)] every sequence's new block ids, in order
         self.rollback_tokens: list[int] = []  # [n] tokens each sequence drops from its mirrored tail first
         self.rollback_blocks: list[int] = []  # [n] block ids each sequence drops from its mirrored tail first
+        self.draft_counts: list[int] = []  # [n] of each sequence's new tokens, the trailing drafts
         for seq in seqs:
             self.append(seq)
 
@@ -91,11 +98,11 @@ class CachedSeqs:
     def from_columns(
         cls, seq_ids: list[int], num_new_tokens: list[int], token_counts: list[int], token_ids: list[int],
         block_counts: list[int], block_ids: list[int], rollback_tokens: list[int] | None = None,
-        rollback_blocks: list[int] | None = None,
+        rollback_blocks: list[int] | None = None, draft_counts: list[int] | None = None,
     ) -> CachedSeqs:
         """Wrap existing columns (not copied). The counts must sum to the lengths of the flat lists.
 
-        Rollback columns left out mean no rollback (zeros).
+        Rollback and draft columns left out mean no rollback and no drafts (zeros).
         """
         out = cls()
         out.seq_ids, out.num_new_tokens = seq_ids, num_new_tokens
@@ -103,11 +110,12 @@ class CachedSeqs:
         out.block_counts, out.block_ids = block_counts, block_ids
         out.rollback_tokens = rollback_tokens if rollback_tokens is not None else [0] * len(seq_ids)
         out.rollback_blocks = rollback_blocks if rollback_blocks is not None else [0] * len(seq_ids)
+        out.draft_counts = draft_counts if draft_counts is not None else [0] * len(seq_ids)
         return out
 
     def add(
         self, seq_id: int, num_new_tokens: int, new_token_ids: list[int], new_block_ids: list[int],
-        rollback_tokens: int = 0, rollback_blocks: int = 0,
+        rollback_tokens: int = 0, rollback_blocks: int = 0, num_draft_tokens: int = 0,
     ) -> None:
         """Append one sequence's delta."""
         self.seq_ids.append(seq_id)
@@ -118,26 +126,32 @@ class CachedSeqs:
         self.block_ids += new_block_ids
         self.rollback_tokens.append(rollback_tokens)
         self.rollback_blocks.append(rollback_blocks)
+        self.draft_counts.append(num_draft_tokens)
 
     def append(self, seq: CachedSeq) -> None:
         """Append one sequence's delta given as a record."""
         self.add(seq.seq_id, seq.num_new_tokens, seq.new_token_ids, seq.new_block_ids, seq.rollback_tokens,
-                 seq.rollback_blocks)
+                 seq.rollback_blocks, seq.num_draft_tokens)
 
     def has_rollback(self) -> bool:
         """True if any sequence of the step drops tokens or blocks from its mirrored tail."""
         return any(self.rollback_tokens) or any(self.rollback_blocks)
+
+    def has_drafts(self) -> bool:
+        """True if any sequence of the step carries draft tokens to verify."""
+        return any(self.draft_counts)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
 
     def __iter__(self) -> Iterator[CachedSeq]:
         tok_ends, blk_ends = accumulate(self.token_counts), accumulate(self.block_counts)
-        for seq_id, n, nt, t_end, nb, b_end, rt, rb in zip(
+        for seq_id, n, nt, t_end, nb, b_end, rt, rb, nd in zip(
             self.seq_ids, self.num_new_tokens, self.token_counts, tok_ends, self.block_counts, blk_ends,
-            self.rollback_tokens, self.rollback_blocks,
+            self.rollback_tokens, self.rollback_blocks, self.draft_counts,
         ):
-            yield CachedSeq(seq_id, n, self.token_ids[t_end - nt : t_end], self.block_ids[b_end - nb : b_end], rt, rb)
+            yield CachedSeq(seq_id, n, self.token_ids[t_end - nt : t_end], self.block_ids[b_end - nb : b_end], rt, rb,
+                            nd)
 
     def __getitem__(self, index: int) -> CachedSeq:
         return list(self)[index]
@@ -185,7 +199,7 @@ class StepPlan:
 #
 # A message is a fixed header followed by flat little-endian arrays:
 #
-#   header  magic "RTPS" | version u8 | kind u8 | 9 count-dtype codes u8 | pad
+#   header  magic "RTPS" | version u8 | kind u8 | 10 count-dtype codes u8
 #           n_new u32 | n_cached u32 | n_freed u32 | n_prompt_logprob u32
 #           totals u32 x4 (flat lengths: new tokens, new blocks, cached new
 #           tokens, cached new blocks) | body_len u32 | crc32 u32
@@ -195,26 +209,27 @@ class StepPlan:
 #             cached_seq_ids [n_cached], cached_tokens [tot2],
 #             cached_blocks [tot3], freed_seq_ids [n_freed],
 #             prompt_logprob_seq_ids [n_prompt_logprob]
-#           then the nine count arrays, each in the smallest encoding that
+#           then the ten count arrays, each in the smallest encoding that
 #           holds this message's values (all zero: no bytes / uniform: one
 #           u32 / u8 / u16 / u32):
 #             new: token counts, block counts, num_computed, num_new [n_new]
 #             cached: num_new, token counts, block counts, rollback tokens,
-#                     rollback blocks [n_cached]
+#                     rollback blocks, draft tokens [n_cached]
 #           (the cached arrays are exactly the columns of CachedSeqs).
 #
 # The crc32 covers the header (minus the crc field) and the body, so a
 # corrupted or truncated buffer is rejected instead of decoded into garbage.
 # A decode step of 256 sequences costs 56 + 256*4 (ids) + 256*4 (tokens) + 2*4
 # (num_new and token counts, uniform; block counts and both rollbacks are all
-# zero: no bytes) = 2112 bytes. A speculative step adds the tokens it sends and
-# a u8 count array per column that is not uniform.
+# zero: no bytes) = 2112 bytes. A speculative step adds the draft tokens it
+# sends and a u8 count array per column that is not uniform (or one u32 when
+# every sequence drafts the same number).
 # ----------------------------------------------------------------------------
 
 _MAGIC = b"RTPS"
-WIRE_VERSION = 3
-_NUM_COUNT_ARRAYS = 9
-_HEADER = struct.Struct("<4sBB9sx10I")
+WIRE_VERSION = 4
+_NUM_COUNT_ARRAYS = 10
+_HEADER = struct.Struct("<4sBB10s10I")
 _CRC_OFFSET = _HEADER.size - 4  # the crc32 is the last header field
 _INT32 = np.dtype("<i4")
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
@@ -310,11 +325,12 @@ def encode(plan: StepPlan) -> bytes:
         _pack_counts(cached.block_counts, "len(CachedSeq.new_block_ids)"),
         _pack_counts(cached.rollback_tokens, "CachedSeq.rollback_tokens"),
         _pack_counts(cached.rollback_blocks, "CachedSeq.rollback_blocks"),
+        _pack_counts(cached.draft_counts, "CachedSeq.num_draft_tokens"),
     ]
     totals = [counts[0][2], counts[1][2], counts[5][2], counts[6][2]]
     n_cached = len(cached.seq_ids)
     if not (len(cached.num_new_tokens) == len(cached.token_counts) == len(cached.block_counts) == n_cached
-            and len(cached.rollback_tokens) == len(cached.rollback_blocks) == n_cached
+            and len(cached.rollback_tokens) == len(cached.rollback_blocks) == len(cached.draft_counts) == n_cached
             and totals[2] == len(cached.token_ids) and totals[3] == len(cached.block_ids)):
         raise StepFormatError("CachedSeqs columns are inconsistent: per-sequence columns differ in length, "
                               "or the counts do not sum to the flat token / block lists")
@@ -422,6 +438,9 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
         for i, t, b, nc, nn in zip(new_ids, _split(new_tokens, c[0]), _split(new_blocks, c[1]), c[2], c[3])
     ]
     # Cached sequences stay in columns: a decode step builds no per-sequence objects.
-    cached_seqs = CachedSeqs.from_columns(cached_ids, c[4], c[5], cached_tokens, c[6], cached_blocks, c[7], c[8])
+    if any(d > n for d, n in zip(c[9], c[5])):
+        raise StepFormatError("StepPlan buffer is inconsistent: a sequence has more draft tokens than new tokens")
+    cached_seqs = CachedSeqs.from_columns(cached_ids, c[4], c[5], cached_tokens, c[6], cached_blocks, c[7], c[8],
+                                          c[9])
     return StepPlan(kind=step_kind, new_seqs=new_seqs, cached_seqs=cached_seqs, freed_seq_ids=freed,
                     prompt_logprob_seq_ids=plp)

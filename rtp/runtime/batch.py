@@ -38,7 +38,7 @@ class BatchInputs:
     q_lens: list[int]  # [B]
     k_lens: list[int]  # [B]: cached + new keys
     block_tables: np.ndarray  # [B, max_blocks] int32, zero-padded
-    sample_indices: np.ndarray  # [S] int64: flat positions whose logits are sampled
+    sample_indices: np.ndarray  # [S] int64: flat positions whose logits are sampled (1 + drafts per sequence)
     seq_ids: list[int]  # [B]
     # The attention metadata, ready for torch.from_numpy (no list -> tensor conversion per step):
     cu_seqlens_q: np.ndarray  # [B + 1] int32: 0, then the running sum of q_lens
@@ -46,6 +46,7 @@ class BatchInputs:
     context_lens: np.ndarray  # [B] int32: k_lens
     max_seqlen_q: int  # max(q_lens), 0 for an empty batch
     max_seqlen_k: int  # max(k_lens), 0 for an empty batch
+    draft_counts: np.ndarray | None = None  # [B] int64: draft tokens each sequence verifies; None: no drafts
 
     @property
     def num_tokens(self) -> int:
@@ -135,7 +136,11 @@ class BatchMirror:
             self._tables = self._append(self._tables, self._num_blocks, c_rows, cached.block_counts, cached.block_ids)
         q_lens = [new.num_new_tokens for new in plan.new_seqs] + cached.num_new_tokens
         seq_ids = [new.seq_id for new in plan.new_seqs] + cached.seq_ids
-        return self._flatten(rows, q_lens, seq_ids)
+        drafts = None
+        if cached_rows and cached.has_drafts():
+            drafts = np.zeros(len(rows), dtype=np.int64)  # [B]: new sequences never carry drafts
+            drafts[len(new_rows) :] = cached.draft_counts
+        return self._flatten(rows, q_lens, seq_ids, drafts)
 
     def _add(self, new: NewSeq) -> int:
         """Copy a sequence sent in full into a row (its own if it is mirrored already); returns the row."""
@@ -205,8 +210,10 @@ class BatchMirror:
         lengths[rows] += counts_arr
         return store
 
-    def _flatten(self, rows: np.ndarray, q_lens: list[int], seq_ids: list[int]) -> BatchInputs:
-        """Flat inputs of the step computing ``q_lens[i]`` tokens of the sequence in ``rows[i]``."""
+    def _flatten(self, rows: np.ndarray, q_lens: list[int], seq_ids: list[int],
+                 drafts: np.ndarray | None = None) -> BatchInputs:
+        """Flat inputs of the step computing ``q_lens[i]`` tokens of the sequence in ``rows[i]``, the last
+        ``drafts[i]`` of them drafts to verify."""
         bs = self.block_size
         q = np.array(q_lens, dtype=np.int64)  # [B]
         start = self._num_computed[rows]  # [B] first position computed now
@@ -236,6 +243,16 @@ class BatchMirror:
         block_tables = self._tables[rows, :max_blocks]  # [B, max_blocks] (a copy: fancy indexing)
         # A chunk that reaches the last known token is sampled, from its last position.
         sample_indices = (cu_q - 1)[end == num_tokens]  # [S]
+        if drafts is not None:
+            # A sequence with d drafts is verified from its last 1 + d positions: the row after the
+            # last known token checks the first draft, ..., the last row gives the token after them all.
+            sampled = end == num_tokens  # [B]
+            counts = np.where(sampled, 1 + drafts, 0)  # [B]
+            if bool((drafts > np.maximum(q - 1, 0)).any() or (drafts[~sampled] > 0).any()):
+                raise RuntimeError("inconsistent step: drafts that do not end their sequence's chunk")
+            owner = np.repeat(np.arange(len(q)), counts)  # [S] batch row of each verification row
+            group_start = np.add.accumulate(counts) - counts  # [B]
+            sample_indices = (cu_q - counts)[owner] + np.arange(int(counts.sum())) - group_start[owner]
         self._num_computed[rows] = end
         cu_seqlens = np.zeros((2, len(q) + 1), dtype=np.int32)  # [2, B + 1]: rows for q_lens and k_lens
         cu_seqlens[0, 1:] = cu_q
@@ -254,4 +271,5 @@ class BatchMirror:
             context_lens=end.astype(np.int32),
             max_seqlen_q=int(q.max()) if len(q) else 0,
             max_seqlen_k=int(end.max()) if len(q) else 0,
+            draft_counts=drafts,
         )

@@ -37,10 +37,13 @@ from rtp.outputs import RequestOutput
 from rtp.runtime.detokenizer import TokenDecoder
 from rtp.runtime.input_processor import InputProcessor
 from rtp.runtime.model_info import ModelInfo
-from rtp.runtime.model_runner import ModelRunner
+from rtp.runtime.model_runner import ModelRunner, StepOutput
 from rtp.runtime.output_processor import OutputProcessor, RequestState, SampleState
 from rtp.runtime.sampler import Sampler
 from rtp.sampling import SamplingParams
+from rtp.spec.controller import SpecController
+from rtp.spec.sampling import Runs, sample_runs
+from rtp.spec.verify import supports_drafts
 
 logger = get_logger(__name__)
 
@@ -90,6 +93,10 @@ class Engine:
             self.eos_token_ids,
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed)
+        spec = config.speculative_config
+        self.spec = SpecController(spec, self.max_model_len) if spec.enabled else None
+        """Speculative decoding's draft policy and counters; None when it is off."""
+        self._spec_logged = time.monotonic()
         self.outputs = OutputProcessor(self.scheduler.finish, self._release_id)  # owned by the stepping thread
         self._seq_ids = itertools.count()
         self._lock = threading.Lock()  # guards the inbox and the live ids
@@ -150,12 +157,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of requests that changed."""
         changed = self._drain_inbox()
-        result = self.scheduler.schedule()
+        drafts = self.spec.propose(self.scheduler.running, self._can_draft) if self.spec is not None else None
+        result = self.scheduler.schedule(drafts)
         plan = result.plan
         if not plan.new_seqs and not plan.cached_seqs and not plan.freed_seq_ids:
             return changed
         self.transport(plan)
         out = self.runner.execute(plan)
+        if result.drafts is not None:
+            self._step_speculative(result, out, changed)
+            return changed
         sampled = self._sample(result, out.sample_logits)
         self._postprocess(result, sampled)
         self.outputs.process(sampled.seqs, sampled.tokens, sampled.logprobs, out.prompt_logits, changed)
@@ -235,11 +246,46 @@ class Engine:
             sampled.tokens = sampled.tokens[:n] + [sampled.tokens[i] for i in keep]
             sampled.logprobs = sampled.logprobs[:n] + [sampled.logprobs[i] for i in keep]
 
+    # ---- speculative decoding ----
+
+    def _can_draft(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s drafts can be verified: its grammar, if any, can roll tokens back."""
+        smp = self.outputs.samples.get(seq.seq_id)
+        return smp is not None and supports_drafts(smp.constraint)
+
+    def _step_speculative(self, result: ScheduleResult, out: StepOutput, changed: list[RequestOutput]) -> None:
+        """Sample, verify, postprocess and emit a step whose plan carries drafts."""
+        assert self.spec is not None and result.drafts is not None
+        logits = out.sample_logits
+        if logits is None:
+            assert not any(result.needs_sample), "rank 0 gets logits whenever a sequence needs a sample"
+            runs = Runs([], [], [], 0, [])
+        else:
+            runs = sample_runs(self.sampler, self.outputs, result, logits, self._take_forks)
+        for seq, run, num_drafts in zip(runs.seqs, runs.runs, runs.num_drafts):
+            self.spec.record(seq.seq_id, num_drafts, len(run) - 1)
+        n = runs.num_rows
+        self.scheduler.postprocess_speculative(result, runs.runs[:n], runs.forks)  # cuts runs at stops
+        keep = [i for i in range(len(runs.seqs)) if i < n or runs.seqs[i].num_completion_tokens > 0]
+        seqs = [runs.seqs[i] for i in keep]
+        token_runs = [runs.runs[i] for i in keep]
+        logprobs = [runs.logprobs[i][: len(runs.runs[i])] for i in keep]
+        self.outputs.process_runs(seqs, token_runs, logprobs, out.prompt_logits, changed)
+        now = time.monotonic()
+        if now - self._spec_logged > 10.0:
+            self._spec_logged = now
+            line = self.spec.log_line()
+            if line is not None:
+                logger.info("%s", line)
+
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every live request with an error (a rank died); returns their outputs."""
         self._drain_inbox()
         return self.outputs.fail_all(message)
 
     def stats(self) -> dict[str, float]:
-        """Scheduler counters for logs, progress bars and metrics."""
-        return dataclasses.asdict(self.scheduler.stats)
+        """Scheduler counters for logs, progress bars and metrics (and speculative decoding's, when on)."""
+        stats = dataclasses.asdict(self.scheduler.stats)
+        if self.spec is not None:
+            stats.update(self.spec.counters.as_stats())
+        return stats

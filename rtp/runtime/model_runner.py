@@ -50,7 +50,8 @@ class StepOutput:
     """
 
     sample_logits: torch.Tensor | None = None
-    """[S, vocab] float32: one row per sequence sampled this step, in batch order; None when none is."""
+    """[S, vocab] float32: one row per sequence sampled this step, in batch order (1 + its draft count
+    rows, consecutive, for a sequence verifying drafts); None when none is."""
     prompt_logits: list[PromptLogits] = field(default_factory=list)
     """One entry per sequence of ``plan.prompt_logprob_seq_ids`` in the batch, in batch order."""
 
@@ -58,15 +59,17 @@ class StepOutput:
 def logit_rows(batch: BatchInputs, prompt_logit_seq_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """How many logits rows each sequence of ``batch`` gets, and which of them are sampled: ([B], [B]).
 
-    A sampled sequence gets one row (its chunk's last position); a sequence whose prompt
-    logprobs are wanted gets one per position of its chunk (the last one doubles as its
-    sample row when it is sampled); any other sequence gets none.
+    A sampled sequence gets one row (its chunk's last position), or 1 + d with d drafts to
+    verify; a sequence whose prompt logprobs are wanted gets one per position of its chunk
+    (the last one doubles as its sample row when it is sampled; such a sequence has no
+    drafts); any other sequence gets none.
     """
     ends = batch.cu_seqlens_q[1:].astype(np.int64)  # [B] flat end of each chunk
-    sampled = np.zeros(len(ends), dtype=bool)  # [B]
-    # sample_indices are the (ascending) last flat positions of the sampled chunks
-    sampled[np.searchsorted(ends - 1, batch.sample_indices)] = True
+    # sample_indices are ascending and hold the last flat position of every sampled chunk
+    sampled = np.isin(ends - 1, batch.sample_indices)  # [B]
     counts = sampled.astype(np.int64)  # [B]
+    if batch.draft_counts is not None:
+        counts += np.where(sampled, batch.draft_counts, 0)
     if prompt_logit_seq_ids:
         wanted = np.isin(np.asarray(batch.seq_ids, dtype=np.int64), prompt_logit_seq_ids)  # [B]
         counts[wanted] = np.asarray(batch.q_lens, dtype=np.int64)[wanted]
@@ -257,6 +260,9 @@ class ModelRunner:
             return StepOutput()
         group_end = np.add.accumulate(counts)  # [B] one past each sequence's last row
         sample_rows = (group_end - 1)[sampled]  # [S]
+        if batch.draft_counts is not None:  # the verification rows of drafting sequences too
+            n = 1 + batch.draft_counts[sampled]  # [S']
+            sample_rows = _flat_positions(group_end[sampled], n)
         out = StepOutput()
         if len(sample_rows):
             out.sample_logits = logits[torch.from_numpy(sample_rows).to(logits.device)]

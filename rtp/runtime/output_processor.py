@@ -163,6 +163,19 @@ class OutputProcessor:
         for seq, token, lp in zip(seqs, tokens, logprobs):
             append(samples[seq.seq_id], [token], [lp], now, changed)
 
+    def process_runs(self, seqs: list[Sequence], runs: list[list[int]],
+                     logprobs: list[list[dict[int, float] | None]], prompt_logits: list[PromptLogits],
+                     changed: list[RequestOutput]) -> None:
+        """As :meth:`process`, for a step that gave each of ``seqs`` a run of tokens (speculative decoding:
+        its accepted drafts and the token after them; empty for a sequence that got none)."""
+        if prompt_logits:
+            self.record_prompt_logprobs(prompt_logits)
+        self._step += 1
+        now = time.time()
+        for seq, run, lps in zip(seqs, runs, logprobs):
+            if run:
+                self.append_tokens(self.samples[seq.seq_id], run, lps, now, changed)
+
     def append_tokens(self, smp: SampleState, tokens: list[int], logprobs: list[dict[int, float] | None],
                       now: float, changed: list[RequestOutput]) -> None:
         """Add the tokens ``smp`` got in this step (the scheduler has appended them to its sequence).
@@ -195,12 +208,15 @@ class OutputProcessor:
         delta = ""
         detok = smp.detok
         if detok is not None:
-            for token in tokens if seq.status is not _FINISHED or seq.finish_reason != "stop" else tokens[:-1]:
+            for i, token in enumerate(
+                    tokens if seq.status is not _FINISHED or seq.finish_reason != "stop" else tokens[:-1]):
                 text, stopped = detok.add(token)
                 delta += text
                 if stopped:  # a stop string wins over reaching max_tokens on the same token
                     self._finish_seq(seq.seq_id, "stop")
                     seq.finish_reason = "stop"
+                    if i + 1 < len(tokens):  # several tokens this step: those after the stop never existed
+                        tokens = self._drop_after_stop(out, tokens, i + 1)
                     break
         finished = seq.status is _FINISHED
         if finished:
@@ -217,6 +233,16 @@ class OutputProcessor:
             request_out.finish_reason = first.out.finish_reason
             request_out.num_cached_tokens = first.seq.num_cached_tokens
             self.finish(req)  # already in changed
+
+    @staticmethod
+    def _drop_after_stop(out: CompletionOutput | RequestOutput, tokens: list[int], keep: int) -> list[int]:
+        """Remove the tokens of this step past the first ``keep`` from ``out`` (a stop string ended them)."""
+        drop = len(tokens) - keep
+        del out.token_ids[-drop:]
+        if out.logprobs is not None:
+            del out.logprobs[-drop:]
+        out.new_token_ids = tokens[:keep]
+        return tokens[:keep]
 
     def record_prompt_logprobs(self, prompt_logits: list[PromptLogits]) -> None:
         """Turn one step's prompt-position logits into RequestOutput.prompt_logprobs entries."""
