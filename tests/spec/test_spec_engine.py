@@ -129,32 +129,28 @@ def test_stops_inside_an_accepted_run_end_where_decoding_without_drafts_ends(pla
     assert spec_engine.stats()["spec_num_accepted_tokens"] > before
 
 
-def test_seeded_sampling_with_every_feature_gives_the_same_tokens_and_logprobs(plain_engine, spec_engine):
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.4, top_p=0.9, seed=1, max_tokens=40, logprobs=3),
+    SamplingParams(temperature=0.2, top_k=20, min_p=0.05, seed=2, max_tokens=40, logprobs=1,
+                   presence_penalty=0.2, frequency_penalty=0.1, repetition_penalty=1.05),
+    SamplingParams(temperature=0.3, seed=3, max_tokens=40, logit_bias={11: 1.5}, min_tokens=30,
+                   bad_words=["Romeo"], logprobs=0),
+    SamplingParams(temperature=0.3, seed=4, n=3, max_tokens=30, logprobs=2),  # forks, then drafts
+], ids=["top_p", "penalties_top_k_min_p", "bias_min_tokens_bad_words", "n3"])
+def test_seeded_sampling_with_every_feature_gives_the_same_tokens_and_logprobs(plain_engine, spec_engine, params):
     # The verification of a draft samples its row with the seed's uniform of that generation step, so a
     # seeded request gets the very tokens it gets without speculation; logprobs come from the same logits.
-    prompts = prompts_of(plain_engine)
-    king = plain_engine.tokenize(" king")[0]
-    params = [
-        SamplingParams(temperature=0.4, top_p=0.9, seed=1, max_tokens=40, logprobs=3),
-        SamplingParams(temperature=0.6, top_k=20, min_p=0.05, seed=2, max_tokens=40, logprobs=1,
-                       presence_penalty=0.2, frequency_penalty=0.1, repetition_penalty=1.05),
-        SamplingParams(temperature=0.3, seed=3, max_tokens=40, logit_bias={king: 1.5}, min_tokens=30,
-                       bad_words=["Romeo"], logprobs=0),
-        SamplingParams(temperature=0.5, seed=4, n=3, max_tokens=30, logprobs=2),  # forks with drafts
-    ]
-    reqs = [(p, sp) for p, sp in zip(prompts, params)]
+    prompt = prompts_of(plain_engine)[2]
     before = spec_engine.stats()["spec_num_accepted_tokens"]
-    want = run(plain_engine, reqs)
-    got = run(spec_engine, reqs)
-    assert spec_engine.stats()["spec_num_accepted_tokens"] > before
-    for w, g in zip(want, got):
-        w_samples, g_samples = (w.samples or [w]), (g.samples or [g])
-        for ws, gs in zip(w_samples, g_samples):
-            assert gs.token_ids == ws.token_ids
-            assert len(gs.logprobs) == len(ws.logprobs) == len(ws.token_ids)
-            for a, b in zip(ws.logprobs, gs.logprobs):
-                assert a.keys() == b.keys()
-                assert max(abs(a[t] - b[t]) for t in a) < 1e-4
+    [want] = run(plain_engine, [(prompt, params)])
+    [got] = run(spec_engine, [(prompt, params)])
+    assert spec_engine.stats()["spec_num_accepted_tokens"] > before  # this request's drafts were accepted
+    for ws, gs in zip(want.samples or [want], got.samples or [got]):
+        assert gs.token_ids == ws.token_ids
+        assert len(gs.logprobs) == len(ws.logprobs) == len(ws.token_ids)
+        for a, b in zip(ws.logprobs, gs.logprobs):
+            assert a.keys() == b.keys()
+            assert max(abs(a[t] - b[t]) for t in a) < 1e-4
 
 
 def test_grammar_masks_apply_per_draft_position(trained, plain_engine, spec_engine):
