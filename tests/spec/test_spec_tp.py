@@ -1,0 +1,33 @@
+"""Speculative decoding at TP = 2 (torchrun, gloo): greedy output equals HF transformers', with chunked
+prefill and preemption, and the worker rank's mirror follows every rollback of rejected drafts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rtp.testing import default_model_dir
+from tests.utils import WORKERS, hf_greedy, torchrun
+
+WORKER = WORKERS / "spec_decode.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tp2_greedy_with_ngram_drafts_equals_hf(tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    prompts = [(torch.randint(0, 400, (p,), generator=gen).tolist() * 12)[:n]
+               for p, n in [(2, 6), (3, 40), (4, 70), (5, 23)]]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    # 20 tokens per step chunk the prompts next to other sequences' drafts; 10 blocks of 16 cannot hold all four.
+    (tmp_path / "c.yaml").write_text(
+        f"model: {default_model_dir()}\ndevice: cpu\ndtype: float32\nblock_size: 16\nnum_kv_blocks: 10\n"
+        "max_num_batched_tokens: 20\nspeculative_config:\n  method: ngram\n  num_speculative_tokens: 4\n")
+    torchrun(WORKER, 2, str(tmp_path / "c.yaml"), str(tmp_path / "prompts.json"), str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    assert out["tokens"] == [hf_greedy(hf, p, 32) for p in prompts]
+    assert out["stats"]["spec_num_accepted_tokens"] > 0 and out["stats"]["num_preemptions"] > 0
