@@ -435,3 +435,36 @@ def test_replace_settings_keeps_what_is_not_overridden() -> None:
     assert config.cache.block_size == 32 and config.liveness.step_timeout_s is None
     with pytest.raises(ConfigError, match=r"^override: max_num_seqs=0 is invalid"):
         config_module.replace_settings(base, max_num_seqs=0)
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    ("{method: eagle3, num_speculative_tokens: 3}", "speculative_config.method='eagle3' is invalid: expected one of "
+     "ngram ('eagle3' is not implemented yet)"),
+    ("{method: draft_model, num_speculative_tokens: 3, model: /m}", "'draft_model' is not implemented yet"),
+    ("{method: medusa, num_speculative_tokens: 3}", "speculative_config.method='medusa' is invalid: expected one of "
+     "ngram, draft_model, eagle3 or null"),
+    ("{method: ngram, num_speculative_tokens: 0}", "speculative_config.num_speculative_tokens=0 is invalid"),
+    ("{method: ngram}", "num_speculative_tokens=None is invalid: expected an integer in [1, 64] with "
+     "speculative_config.method='ngram'"),
+    ("{method: ngram, num_speculative_tokens: 2, prompt_lookup_min: 4, prompt_lookup_max: 3}",
+     "speculative_config.prompt_lookup_max=3 is invalid: expected an integer >= "
+     "speculative_config.prompt_lookup_min=4"),
+    ("{method: ngram, num_speculative_tokens: 2, prompt_lookup_min: 0}", "speculative_config.prompt_lookup_min=0"),
+    ("{method: ngram, num_speculative_tokens: 2, min_acceptance_rate: 1.5}", "min_acceptance_rate=1.5 is invalid"),
+    ("{method: ngram, num_speculative_tokens: 2, lookahead: 3}", "unknown key 'speculative_config.lookahead'"),
+])
+def test_speculative_config_errors_name_the_key(tmp_path: Path, spec: str, words: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"speculative_config: {spec}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_speculative_config_defaults_and_lookup_range(tmp_path: Path) -> None:
+    assert not load_config(None).speculative_config.enabled
+    path = tmp_path / "c.yaml"
+    path.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 4\n  prompt_lookup_max: 1\n")
+    spec = load_config(path).speculative_config
+    assert spec.enabled and spec.num_speculative_tokens == 4 and spec.lookup_range == (1, 1)
+    assert dataclasses.replace(spec, prompt_lookup_max=None).lookup_range == (2, 5)

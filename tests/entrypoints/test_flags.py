@@ -86,3 +86,12 @@ def test_tensor_parallel_size_sets_the_rank_count():
     args = serve.parse_args([])
     args.nproc_per_node = None
     assert ranks_to_start("rtp.entrypoints.serve", args) == 1  # cpu.yaml leaves tensor_parallel_size null
+
+
+def test_speculative_config_flag_is_json_and_its_errors_name_the_key():
+    c = config_of(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+    assert (c.speculative_config.method, c.speculative_config.num_speculative_tokens) == ("ngram", 3)
+    with pytest.raises(ConfigError, match=r"^--speculative-config: speculative_config\.num_speculative_tokens=0 "):
+        config_of(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'])
+    with pytest.raises(SystemExit):
+        config_of(["--speculative-config", "{method: ngram}"])  # not JSON: argparse's one-line error
