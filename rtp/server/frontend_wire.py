@@ -154,8 +154,13 @@ def decode_abort(payload: memoryview) -> list[int]:
 
 # ---------------------------------------------------------------------------- step outputs
 
+SPEC_POSITIONS_ON_WIRE = 8
+"""Draft positions whose accepted-token counters reach the frontends' /metrics (the first 8 of k)."""
+
 STAT_KEYS = ("num_running", "num_waiting", "kv_usage", "num_blocks", "prefix_hit_tokens", "prefix_query_tokens",
-             "num_preemptions", "num_prefill_tokens_computed", "num_decode_tokens")
+             "num_preemptions", "num_prefill_tokens_computed", "num_decode_tokens",
+             "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+             *(f"spec_accepted_pos_{i}" for i in range(SPEC_POSITIONS_ON_WIRE)))
 """The engine stats (Engine.stats keys) every OUTPUTS frame carries, for the frontends' /metrics."""
 
 FINISH_REASONS = (None, "stop", "length", "abort")

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from rtp.outputs import RequestOutput
-from rtp.server.vllm_metrics import VllmMetricsCollector
+from rtp.server.vllm_metrics import VllmMetricsCollector, spec_positions
 
 # Latency buckets in seconds: from a few ms (tiny models, decode steps) to minutes (long generations).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -53,6 +53,19 @@ class _EngineStatsCollector(Collector):
                                 value=s.get("prefix_hit_tokens", 0) / query if query else 0.0)
         yield CounterMetricFamily("rtp_preemptions", "Requests preempted to free KV blocks.",
                                   value=s.get("num_preemptions", 0))
+        if "spec_num_drafts" not in s:
+            return  # speculative decoding is off
+        yield CounterMetricFamily("rtp_spec_decode_drafts", "Sequence-steps that verified draft tokens.",
+                                  value=s["spec_num_drafts"])
+        yield CounterMetricFamily("rtp_spec_decode_draft_tokens", "Draft tokens verified.",
+                                  value=s.get("spec_num_draft_tokens", 0))
+        yield CounterMetricFamily("rtp_spec_decode_accepted_tokens", "Draft tokens accepted.",
+                                  value=s.get("spec_num_accepted_tokens", 0))
+        per_pos = CounterMetricFamily("rtp_spec_decode_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.", labels=["position"])
+        for pos, value in spec_positions(s):
+            per_pos.add_metric([str(pos)], value)
+        yield per_pos
 
 
 class ServerMetrics:

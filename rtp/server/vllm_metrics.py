@@ -38,6 +38,12 @@ if TYPE_CHECKING:
 _LABELS = ["model_name", "engine"]
 
 
+def spec_positions(stats: Mapping[str, float]) -> list[tuple[int, float]]:
+    """(position, accepted drafts) of the stats' ``spec_accepted_pos_<i>`` entries, by position."""
+    prefix = "spec_accepted_pos_"
+    return sorted((int(k[len(prefix):]), v) for k, v in stats.items() if k.startswith(prefix))
+
+
 class VllmMetricsCollector(Collector):
     """Yields vLLM-named copies of a ServerMetrics' series (see the module docstring)."""
 
@@ -82,6 +88,18 @@ class VllmMetricsCollector(Collector):
                             s.get("prefix_hit_tokens", 0))
         yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                             s.get("num_preemptions", 0))
+        if "spec_num_drafts" in s:  # speculative decoding is on
+            yield self._counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                s["spec_num_drafts"])
+            yield self._counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                s.get("spec_num_draft_tokens", 0))
+            yield self._counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                s.get("spec_num_accepted_tokens", 0))
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=[*_LABELS, "position"])
+            for pos, value in spec_positions(s):
+                per_pos.add_metric([*self._labels, str(pos)], value)
+            yield per_pos
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
                             self._counter_total(m.prompt_tokens))
         yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.",

@@ -53,3 +53,22 @@ def test_vllm_names_mirror_rtp_series(tokenizer):
     assert v("vllm:kv_cache_usage_perc") == 0.0
     assert v("vllm:prefix_cache_queries_total") == 10 and v("vllm:prefix_cache_hits_total") == 4
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+
+
+def test_speculative_decoding_counters_under_both_names():
+    from rtp.server.metrics import ServerMetrics
+
+    stats = {"spec_num_drafts": 5, "spec_num_draft_tokens": 20, "spec_num_accepted_tokens": 9,
+             "spec_accepted_pos_0": 4, "spec_accepted_pos_1": 3, "spec_accepted_pos_2": 2, "spec_accepted_pos_3": 0}
+    got = samples(ServerMetrics(lambda: stats, model_name="m").render()[0].decode())
+    labels = (("engine", "0"), ("model_name", "m"))
+    for rtp_name, vllm_name, value in [("drafts", "num_drafts", 5), ("draft_tokens", "num_draft_tokens", 20),
+                                       ("accepted_tokens", "num_accepted_tokens", 9)]:
+        assert got[(f"rtp_spec_decode_{rtp_name}_total", ())] == value
+        assert got[(f"vllm:spec_decode_{vllm_name}_total", labels)] == value
+    for pos, value in enumerate([4, 3, 2, 0]):
+        assert got[("rtp_spec_decode_accepted_tokens_per_pos_total", (("position", str(pos)),))] == value
+        key = tuple(sorted(labels + (("position", str(pos)),)))
+        assert got[("vllm:spec_decode_num_accepted_tokens_per_pos_total", key)] == value
+    off = samples(ServerMetrics(lambda: {}, model_name="m").render()[0].decode())
+    assert not any("spec_decode" in name for name, _ in off)
