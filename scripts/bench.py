@@ -8,6 +8,8 @@
     python scripts/bench.py --preset qwen3-0.6b --dtype bfloat16                     # ... in bfloat16
     python scripts/bench.py --quick --device cuda             # a short GPU run (scripts/gpu_check.sh)
     python scripts/bench.py --preset qwen3-0.6b --no-hf --quantization none,int8   # rtp fp32 and rtp int8 weights
+    python scripts/bench.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+                                                              # rtp (and vLLM) with speculative decoding
 
 Every engine runs in a child process of its own, one after the other (never two
 at once), on the same checkpoint and the same requests, in the same dtype, greedy
@@ -82,23 +84,28 @@ def workload(n: int, vocab: int, seed: int = 0, quick: bool = False, preset: str
 def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict | None:
     import rtp
 
-    rtp.init(None, model=args.model, device=args.device, dtype=args.dtype, log_level="WARNING",
-             enable_prefix_caching=False, max_num_seqs=256, enforce_eager=args.device == "cpu",
-             quantization=args.quantization if args.quantization != "none" else None)
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
+    rt = rtp.init(None, model=args.model, device=args.device, dtype=args.dtype, log_level="WARNING",
+                  enable_prefix_caching=False, max_num_seqs=256, enforce_eager=args.device == "cpu",
+                  quantization=args.quantization if args.quantization != "none" else None,
+                  speculative_config=spec)
     # Worker ranks never get here: they serve inside init() and exit.
     params = [rtp.SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for _, n in reqs]
     prompts = [p for p, _ in reqs]
     rtp.generate(prompts[:2], [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2,
                  use_tqdm=False)  # warm-up
+    before = rt.engine.stats()
     t0 = time.perf_counter()
     outs = rtp.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
+    after = rt.engine.stats()
     t0 = time.perf_counter()
     rtp.generate(prompts, rtp.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     prefill_s = time.perf_counter() - t0
     rtp.shutdown()
+    spec_stats = {k: after[k] - before.get(k, 0) for k in after if k.startswith("spec_")}
     return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=max(n for _, n in reqs) - 1,
-                outputs=[list(o.token_ids) for o in outs])
+                outputs=[list(o.token_ids) for o in outs], spec=spec_stats)
 
 
 def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
@@ -145,8 +152,9 @@ def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dic
 def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
     from vllm import LLM, SamplingParams
 
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
-              enable_prefix_caching=False, max_num_seqs=256, seed=0)
+              enable_prefix_caching=False, max_num_seqs=256, seed=0, speculative_config=spec)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, detokenize=False)
               for _, n in reqs]
@@ -314,6 +322,8 @@ def main() -> None:
     ap.add_argument("--quantization", default="none",
                     help="comma-separated rtp weight formats: none, int8 (int8 weight-only); each rtp run per format")
     ap.add_argument("--wait-quiet", type=float, default=120.0, help="max seconds to wait for an idle machine")
+    ap.add_argument("--speculative-config", metavar="JSON",
+                    help="speculative decoding for rtp and vLLM, as their --speculative-config")
     ap.add_argument("--engine", choices=sorted(CHILDREN), help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -338,6 +348,8 @@ def main() -> None:
     base_env = {**os.environ, "RTP_BENCH_WORKLOAD": json.dumps(reqs), "PYTHONPATH": str(ROOT)}
     me = [str(Path(__file__).resolve()), "--model", args.model, "--device", args.device,
           "--hf-batch", str(args.hf_batch), "--dtype", args.dtype, "--temperature", str(args.temperature)]
+    if args.speculative_config:
+        me += ["--speculative-config", args.speculative_config]
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: args.threads])
     runs: list[tuple[str, list[str], dict[str, str]]] = []
     formats = args.quantization.split(",")
@@ -390,6 +402,19 @@ def main() -> None:
         over = f"{r['generate_s'] / floor:.2f}" if floor else "-"
         print(f"{name:<14} {r['process_s']:>10.2f} {r['generate_s']:>11.2f} {over:>8} "
               f"{prompt_tokens / r['prefill_s']:>14.0f} {decode_ms:>15.2f}")
+    for name, r in results.items():
+        spec = r.get("spec") or {}
+        if spec.get("spec_num_drafts"):
+            drafts, proposed, accepted = (spec[k] for k in ("spec_num_drafts", "spec_num_draft_tokens",
+                                                            "spec_num_accepted_tokens"))
+            per_pos = [int(spec[k]) for k in sorted((k for k in spec if k.startswith("spec_accepted_pos_")),
+                                                    key=lambda k: int(k.rsplit("_", 1)[1]))]
+            print(f"{name} speculative decoding: {int(drafts)} drafts, {int(accepted)}/{int(proposed)} draft tokens "
+                  f"accepted ({accepted / proposed:.0%}), mean acceptance length {1 + accepted / drafts:.2f}, "
+                  f"accepted per position {per_pos}")
+        elif args.speculative_config and name.startswith("rtp"):
+            print(f"{name} speculative decoding: no drafts (no n-gram matched, or the batch was above "
+                  "disable_by_batch_size)")
     for name, r in results.items():
         if not name.startswith("rtp"):
             continue

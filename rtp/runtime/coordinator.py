@@ -119,6 +119,10 @@ class Runtime:
             end["num_decode_tokens"] - start["num_decode_tokens"],
             end["num_preemptions"] - start["num_preemptions"],
         )
+        if self.engine.spec is not None:
+            line = self.engine.spec.log_line()
+            if line is not None:
+                logger.info("%s", line)
         return [done[i] for i in ids]
 
     def generate_stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
