@@ -36,14 +36,18 @@ def make_engine(model_dir, spec: SpeculativeConfig | None = None, *, budget: int
     return Engine(config, ModelRunner(ParallelState.single("cpu"), model_dir, config), model_dir)
 
 
-def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list:
-    ids = [engine.add_request(p, sp) for p, sp in requests]
+def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]], late: int = 0) -> list:
+    """Outputs of ``requests``; the last ``late`` are submitted after four steps (prefills beside drafts)."""
+    early = requests[: len(requests) - late]
+    ids = [engine.add_request(p, sp) for p, sp in early]
     done = {}
-    for _ in range(3000):
+    for step in range(3000):
+        if step == 4:
+            ids += [engine.add_request(p, sp) for p, sp in requests[len(early) :]]
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        if not engine.has_unfinished():
+        if step >= 4 and not engine.has_unfinished():
             return [done[i] for i in ids]
     raise AssertionError("requests did not finish")
 
@@ -82,10 +86,17 @@ def test_greedy_equals_no_speculation_and_hf(trained, plain_engine, spec_engine)
     prompts = prompts_of(plain_engine)
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     want = [hf_greedy(hf, p, 48) for p in prompts]
+    # One more request, submitted late, wants prompt logprobs: its prefill shares a step with others' drafts.
+    with_plp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    reqs = [(p, greedy) for p in prompts] + [(prompts[3], with_plp)]
     before = spec_engine.stats()["spec_num_accepted_tokens"]
-    got = run(spec_engine, [(p, greedy) for p in prompts])
-    assert [o.token_ids for o in got] == want
-    assert [o.token_ids for o in run(plain_engine, [(p, greedy) for p in prompts])] == want
+    got = run(spec_engine, reqs, late=1)
+    assert [o.token_ids for o in got[:-1]] == want
+    plain = run(plain_engine, reqs, late=1)
+    assert [o.token_ids for o in plain[:-1]] == want
+    assert got[-1].token_ids == plain[-1].token_ids
+    for a, b in zip(plain[-1].prompt_logprobs[1:], got[-1].prompt_logprobs[1:]):
+        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
     assert spec_engine.stats()["spec_num_accepted_tokens"] - before > 20
 
 
