@@ -75,12 +75,13 @@ class FrontendRequest:
             request_out.first_token_time = now
         reason = upd.finish_reason
         delta, detok = "", smp.detok
-        for token in tokens if reason != "stop" else tokens[:-1]:
+        for i, token in enumerate(tokens if reason != "stop" else tokens[:-1]):
             text, stopped = detok.add(token)
             delta += text
             if stopped:
                 reason = "stop"
                 self.stopped_here = True
+                self._drop_after(out, upd, i + 1)
                 break
         if reason is not None:
             if not detok.stopped:
@@ -96,6 +97,18 @@ class FrontendRequest:
             request_out.finish_reason = self.samples[0].out.finish_reason
             request_out.num_cached_tokens = upd.num_cached_tokens
             request_out.finish_time = now
+
+    @staticmethod
+    def _drop_after(out: RequestOutput | CompletionOutput, upd: SampleUpdate, keep: int) -> None:
+        """A stop string ended the sample at this step's token ``keep - 1``: the step's later tokens (several
+        per step with speculative decoding) and their logprobs are not part of the output."""
+        drop = len(upd.token_ids) - keep
+        if drop <= 0:
+            return
+        del out.token_ids[-drop:]
+        if out.logprobs is not None and upd.logprobs is not None:
+            del out.logprobs[-drop:]
+        out.new_token_ids = upd.token_ids[:keep]
 
     def abort(self, message: str | None) -> None:
         """End every unfinished sample with "abort" (the engine refused or lost the request)."""

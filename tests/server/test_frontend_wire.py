@@ -112,10 +112,15 @@ def test_frontend_text_equals_one_shot_decode(tokenizer):
 def test_frontend_stop_string_cuts_the_text_and_asks_for_an_abort(tokenizer):
     text = "The fox ran home. THE END and more text after it"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    req = FrontendRequest("r", [1], SamplingParams(stop="THE END", max_tokens=100), TokenDecoder(tokenizer))
-    streamed = _feed(req, ids, None)
-    assert req.finished and req.output.finish_reason == "stop" and req.stopped_here
-    assert streamed == req.output.text == text[: text.index("THE END")]
+    kept = None
+    for per_step in (1, 4):  # several tokens per step (speculative decoding): the same output as one by one
+        req = FrontendRequest("r", [1], SamplingParams(stop="THE END", max_tokens=100), TokenDecoder(tokenizer))
+        streamed = _feed(req, ids, None, per_step)
+        assert req.finished and req.output.finish_reason == "stop" and req.stopped_here
+        assert streamed == req.output.text == text[: text.index("THE END")]
+        kept = kept or req.output.token_ids
+        assert req.output.token_ids == kept and len(kept) < len(ids)
+        assert "THE END" in tokenizer.decode(kept) and "THE END" not in tokenizer.decode(kept[:-1])
 
 
 def test_engine_stop_token_stays_out_of_the_text(tokenizer):
