@@ -106,16 +106,7 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
         for (int64_t j = 0, n = std::min(block_size, len - t0); j < n; ++j) {
           for (int64_t i = 0; i < R; ++i) {
             const T* k = kb + j * st + (i / rep) * cache.head_stride;
-            const float* qi = qf.data() + i * D;
-            v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
-            int64_t d = 0;
-            for (; d + 16 <= D; d += 16) {
-              a0 += load8(qi + d) * load8(k + d);
-              a1 += load8(qi + d + 8) * load8(k + d + 8);
-            }
-            float s = hsum8(a0 + a1);
-            for (; d < D; ++d) s += qi[d] * static_cast<float>(k[d]);
-            scores[i * len + t0 + j] = s;
+            scores[i * len + t0 + j] = dot_f(qf.data() + i * D, k, D);
           }
         }
       }
@@ -125,15 +116,7 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
         float* si = scores.data() + i * len;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < len; ++t) mx = std::max(mx, si[t]);
-        v8f vsum = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t t = 0;
-        for (; t + 8 <= len; t += 8) {
-          const v8f e = exp8(load8(si + t) - mx);
-          store8(si + t, e);
-          vsum += e;
-        }
-        float sum = hsum8(vsum);
-        for (; t < len; ++t) { si[t] = std::exp(si[t] - mx); sum += si[t]; }
+        const float sum = exp_shift_sum(si, len, mx);
         inv_sum[i] = sum > 0.f ? 1.f / sum : 0.f;
       }
       // Output: the softmax-weighted sum of the values.
@@ -144,11 +127,7 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
         for (int64_t j = 0, n = std::min(block_size, len - t0); j < n; ++j) {
           for (int64_t i = 0; i < R; ++i) {
             const T* v = vb + j * st + (i / rep) * cache.head_stride;
-            const float p = scores[i * len + t0 + j];
-            float* ai = acc.data() + i * D;
-            int64_t d = 0;
-            for (; d + 8 <= D; d += 8) store8(ai + d, load8(ai + d) + p * load8(v + d));
-            for (; d < D; ++d) ai[d] += p * static_cast<float>(v[d]);
+            axpy_f(acc.data() + i * D, scores[i * len + t0 + j], v, D);
           }
         }
       }
@@ -240,39 +219,17 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
           float* si = s.data() + i * block_size;
           float bmax = -std::numeric_limits<float>::infinity();
           for (int64_t j = 0; j < visible; ++j) {
-            const float* kj = kf.data() + j * D;
-            v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
-            int64_t d = 0;
-            for (; d + 16 <= D; d += 16) {
-              a0 += load8(qi + d) * load8(kj + d);
-              a1 += load8(qi + d + 8) * load8(kj + d + 8);
-            }
-            float dot = hsum8(a0 + a1);
-            for (; d < D; ++d) dot += qi[d] * kj[d];
+            const float dot = dot_f(qi, kf.data() + j * D, D);
             si[j] = dot;
             bmax = std::max(bmax, dot);
           }
           const float new_m = std::max(m[i], bmax);
           const float corr = std::exp(m[i] - new_m);  // 0 on the first block (m = -inf)
           float* ai = acc.data() + i * D;
-          v8f vsum = {0, 0, 0, 0, 0, 0, 0, 0};
-          int64_t j = 0;
-          for (; j + 8 <= visible; j += 8) {
-            const v8f e = exp8(load8(si + j) - new_m);
-            store8(si + j, e);
-            vsum += e;
-          }
-          float sum = hsum8(vsum);
-          for (; j < visible; ++j) { si[j] = std::exp(si[j] - new_m); sum += si[j]; }
+          const float sum = exp_shift_sum(si, visible, new_m);
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ai[d] *= corr;
-          for (int64_t jj = 0; jj < visible; ++jj) {
-            const float pj = si[jj];
-            const float* vj = vf.data() + jj * D;
-            int64_t d = 0;
-            for (; d + 8 <= D; d += 8) store8(ai + d, load8(ai + d) + pj * load8(vj + d));
-            for (; d < D; ++d) ai[d] += pj * vj[d];
-          }
+          for (int64_t j = 0; j < visible; ++j) axpy_f(ai, si[j], vf.data() + j * D, D);
           l[i] = l[i] * corr + sum;
           m[i] = new_m;
         }

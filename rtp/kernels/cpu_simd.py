@@ -86,4 +86,40 @@ static inline float hsum8(v8f v) {
   for (int j = 0; j < 8; ++j) s += v[j];
   return s;
 }
+
+// sum_d q[d] * k[d] over n values (q in fp32), with two vector accumulators.
+template <typename T>
+static inline float dot_f(const float* q, const T* k, int64_t n) {
+  v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    a0 += load8(q + d) * load8(k + d);
+    a1 += load8(q + d + 8) * load8(k + d + 8);
+  }
+  float s = hsum8(a0 + a1);
+  for (; d < n; ++d) s += q[d] * static_cast<float>(k[d]);
+  return s;
+}
+
+// acc[d] += p * v[d] over n values.
+template <typename T>
+static inline void axpy_f(float* acc, float p, const T* v, int64_t n) {
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) store8(acc + d, load8(acc + d) + p * load8(v + d));
+  for (; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
+}
+
+// s[t] = exp(s[t] - m) in place over n values; returns their sum (softmax numerators).
+static inline float exp_shift_sum(float* s, int64_t n, float m) {
+  v8f vsum = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const v8f e = exp8(load8(s + t) - m);
+    store8(s + t, e);
+    vsum += e;
+  }
+  float sum = hsum8(vsum);
+  for (; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+  return sum;
+}
 """
