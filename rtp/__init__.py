@@ -2,7 +2,9 @@
 
 Run under ``torchrun --nproc-per-node N``. ``rtp.init()`` returns on rank 0
 only; worker ranks serve steps inside it and exit the process when rank 0
-calls ``rtp.shutdown()`` (or exits). The module keeps the one current runtime
+calls ``rtp.shutdown()`` (or exits). With ``data_parallel_size`` > 1 the other
+replicas' coordinators also stay inside: they run the shares of each
+``rtp.generate()`` batch that rank 0 sends them. The module keeps the one current runtime
 so that ``rtp.generate`` works like vLLM's offline API; ``init`` also returns
 it for explicit use.
 """
@@ -10,6 +12,7 @@ it for explicit use.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +33,20 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
     keyword ``overrides`` replace settings, spelled as in the YAML (``block_size=32``,
     ``cache={"block_size": 32}``; None values are ignored).
     """
+    runtime = _init(config, overrides)
+    if runtime.dp_rank > 0:  # another replica's coordinator: serve rank 0's batches, then exit like a worker
+        from rtp.runtime.replicas import serve_replica
+
+        try:
+            serve_replica(runtime)
+        finally:
+            shutdown()
+        sys.exit(0)
+    return runtime
+
+
+def _init(config: RtpConfig | str | os.PathLike | None, overrides: dict):  # noqa: ANN202 - Runtime
+    """Start this rank; every replica's coordinator gets its Runtime (the server drives each one itself)."""
     global _current
     from rtp.assets import trained_model_dir
     from rtp.runtime.onednn_caches import bound_onednn_caches

@@ -27,15 +27,18 @@ class RtpLogHandler(logging.StreamHandler):
     """The handler setup_logging installs (replaced, not duplicated, when it is called again)."""
 
 
-def setup_logging(rank: int = 0, level: str = "INFO", label: str | None = None) -> None:
+def setup_logging(rank: int = 0, level: str = "INFO", label: str | None = None, coordinator: bool | None = None
+                  ) -> None:
     """Configure the ``rtp`` logger tree for this process.
 
-    Rank 0 logs at ``level``; other ranks log warnings and errors only, so a
-    run with eight ranks does not print everything eight times. Lines are
-    prefixed ``[rankN]``, or ``[label]`` when given (an API frontend: ``[api0]``).
+    Rank 0 (with data parallelism: every replica's coordinator, ``coordinator``) logs
+    at ``level``; other ranks log warnings and errors only, so a run with eight ranks
+    does not print everything eight times. Lines are prefixed ``[rankN]``, or
+    ``[label]`` when given (an API frontend: ``[api0]``).
     """
     root = logging.getLogger("rtp")
-    effective = getattr(logging, level.upper()) if rank == 0 else max(logging.WARNING, getattr(logging, level.upper()))
+    chatty = rank == 0 if coordinator is None else coordinator
+    effective = getattr(logging, level.upper()) if chatty else max(logging.WARNING, getattr(logging, level.upper()))
     root.setLevel(effective)
     for old in list(root.handlers):
         if isinstance(old, RtpLogHandler):

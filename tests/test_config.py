@@ -329,6 +329,18 @@ def test_tp_size_mismatch_names_both_numbers() -> None:
     assert "torchrun --nproc-per-node 4" in message
 
 
+def test_data_parallel_size_splits_the_world() -> None:
+    assert resolve_tp_size(RtpConfig(parallel=ParallelConfig(data_parallel_size=2)), 4) == 2
+    config = RtpConfig(parallel=ParallelConfig(data_parallel_size=2, tensor_parallel_size=2))
+    assert resolve_tp_size(config, 4) == 2
+    with pytest.raises(ConfigError, match="data_parallel_size=2 x tensor_parallel_size=2.*nproc-per-node 4"):
+        resolve_tp_size(config, 2)
+    with pytest.raises(ConfigError, match="data_parallel_size=2 does not divide the 3 ranks"):
+        resolve_tp_size(RtpConfig(parallel=ParallelConfig(data_parallel_size=2)), 3)
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        load_config(None, data_parallel_size=0)
+
+
 @pytest.mark.parametrize("world_size", [0, -1, True])
 def test_tp_size_rejects_bad_world_size(world_size: int) -> None:
     with pytest.raises(ConfigError, match="world size"):

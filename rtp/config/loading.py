@@ -220,17 +220,25 @@ def default_config_path() -> Path | None:
 
 
 def resolve_tp_size(config: RtpConfig, world_size: int) -> int:
-    """The tensor-parallel size of this run: ``tensor_parallel_size`` if set (it must equal world_size)."""
+    """The tensor-parallel size of this run: world_size / data_parallel_size, checked against
+    ``tensor_parallel_size`` if that is set."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world size {world_size!r} is invalid: expected an integer >= 1")
+    dp = config.parallel.data_parallel_size
     tp = config.parallel.tensor_parallel_size
-    if tp is None:
-        return world_size
-    if tp != world_size:
+    if world_size % dp:
         raise ConfigError(
-            f"tensor_parallel_size={tp} does not match the {world_size} rank{'s' if world_size != 1 else ''} "
+            f"data_parallel_size={dp} does not divide the {world_size} rank{'s' if world_size != 1 else ''} "
+            f"started by torchrun: start data_parallel_size x tensor_parallel_size ranks"
+        )
+    if tp is None:
+        return world_size // dp
+    if tp * dp != world_size:
+        layout = f"data_parallel_size={dp} x tensor_parallel_size={tp}" if dp > 1 else f"tensor_parallel_size={tp}"
+        raise ConfigError(
+            f"{layout} does not match the {world_size} rank{'s' if world_size != 1 else ''} "
             "started by torchrun: "
-            f"run `torchrun --nproc-per-node {tp} ...` "
-            f"or change tensor_parallel_size to {world_size} (or null)"
+            f"run `torchrun --nproc-per-node {tp * dp} ...` "
+            f"or change tensor_parallel_size to {world_size // dp} (or null)"
         )
     return tp

@@ -90,7 +90,12 @@ class ParallelConfig(Section):
     """How the ranks split the model, where they run, and the ring that carries their step plans."""
 
     tensor_parallel_size: int | None = setting(None, integer(1, nullable=True))
-    """Number of ranks a model is split over; None means torchrun's WORLD_SIZE (GPU topology files fix it)."""
+    """Number of ranks a model is split over; None means torchrun's WORLD_SIZE / data_parallel_size (GPU
+    topology files fix it)."""
+    data_parallel_size: int = setting(1, integer(1))
+    """Number of independent replicas of the model, >= 1, each split over tensor_parallel_size ranks: the world
+    is data_parallel_size x tensor_parallel_size ranks (global rank = replica * TP + TP rank). Each replica is
+    a full engine (scheduler, KV cache, step channel); the server routes every request to one of them."""
     device: str = setting("auto", choice("auto", "cpu", "cuda"))
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
     expert_parallel: bool = setting(False, BOOL)

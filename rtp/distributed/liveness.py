@@ -121,15 +121,17 @@ class Watchdog:
     ``remote`` (rank -> "pid P on host H") lists ranks on other nodes: no pid
     can be checked there, so they are watched by their relayed heartbeats only.
     ``heartbeat`` enables the hung and stuck checks (``step_timeout_s``, set on
-    rank 0 only); ``parent_pid`` enables the orphan check. Runs every
-    ``interval_s`` on a daemon thread once :meth:`start` is called.
+    rank 0 and the other replicas' coordinators only; ``step_ranks`` are the ranks of
+    its steps); ``parent_pid`` enables the orphan check. Runs every ``interval_s``
+    on a daemon thread once :meth:`start` is called.
     """
 
     def __init__(self, rank: int, peers: dict[int, int], on_failure: Callable[[Failure], None], *,
                  heartbeat: Heartbeat | None = None, parent_pid: int | None = None,
                  step_timeout_s: float | None = None, interval_s: float = 0.25, dump_wait_s: float = 3.0,
-                 remote: dict[int, str] | None = None) -> None:
+                 remote: dict[int, str] | None = None, step_ranks: list[int] | None = None) -> None:
         self.rank = rank
+        self.step_ranks = step_ranks  # the ranks that run this rank's steps (a data-parallel replica); None: all
         self.peers = dict(peers)
         self.remote = dict(remote or {})
         self._watched = sorted(set(self.peers) | set(self.remote))
@@ -262,7 +264,8 @@ class Watchdog:
         time.sleep(0.05)
         if hb.step_state(self.rank)[:2] != (step, done):
             return None
-        behind = [r for r in range(hb.world_size) if hb.step_state(r)[1] < step]
+        ranks = self.step_ranks if self.step_ranks is not None else range(hb.world_size)
+        behind = [r for r in ranks if hb.step_state(r)[1] < step]
         waiting = [r for r in behind if hb.waiting(r)]
         culprits = [r for r in behind if r not in waiting] or behind
         message = f"step {step} did not finish within {limit:g} s: {_ranks(culprits)} had not finished it"

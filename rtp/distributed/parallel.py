@@ -79,7 +79,13 @@ class ParallelState:
 
     ``tp_group`` carries tensor collectives (NCCL on GPU, gloo on CPU);
     ``cpu_group`` is always gloo and carries small control messages.
-    Tensor parallelism spans the whole world: ``tp_size == world_size``.
+
+    With data parallelism (``dp_size`` > 1) the world holds ``dp_size`` replicas of
+    ``tp_size`` ranks each, global rank = ``dp_rank * tp_size + tp_rank``. The state
+    :meth:`from_env` returns is the whole world's (liveness watches every rank of it);
+    :meth:`replica` gives the view a replica's engine and model are built on, whose
+    ``rank``/``world_size`` are the TP rank and size and whose groups span the replica only.
+    Without data parallelism both are the same object: ``tp_size == world_size``.
     """
 
     rank: int
@@ -98,6 +104,16 @@ class ParallelState:
     """gloo group of this node's ranks (several nodes only)."""
     leader_group: dist.ProcessGroup | None = None
     """gloo group of every node's leader (several nodes only): carries the step plans."""
+    dp_rank: int = 0
+    """This rank's replica, 0..dp_size-1."""
+    dp_size: int = 1
+    """Number of data-parallel replicas (1: the world is one replica)."""
+    global_rank: int | None = None
+    """In a replica view: this rank's rank in the whole world (None: ``rank`` is already global)."""
+    dp_group: dist.ProcessGroup | None = None
+    """gloo group of the replicas' coordinators (global ranks dp_rank * tp_size); None on other ranks."""
+    _replica_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+    """This rank's replica's (tensor, control) groups, when dp_size > 1."""
 
     @property
     def num_nodes(self) -> int:
@@ -118,12 +134,28 @@ class ParallelState:
         return list(range(self.world_size)) if self.topology is None else self.topology.ranks_on(self.node_rank)
 
     @property
-    def tp_rank(self) -> int:
-        return self.rank
+    def tp_size(self) -> int:
+        return self.world_size if self.global_rank is not None else self.world_size // self.dp_size
 
     @property
-    def tp_size(self) -> int:
-        return self.world_size
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def replica_ranks(self) -> list[int]:
+        """Global ranks of this rank's replica, its coordinator first."""
+        first = self.dp_rank * self.tp_size
+        return list(range(first, first + self.tp_size))
+
+    def replica(self) -> ParallelState:
+        """The view of this rank's replica: rank = TP rank, world = the replica's TP ranks (see the class)."""
+        if self.dp_size == 1 or self.global_rank is not None:
+            return self
+        assert self._replica_groups is not None
+        tp_group, cpu_group = self._replica_groups
+        return ParallelState(self.tp_rank, self.tp_size, self.local_rank, self.device, tp_group, cpu_group,
+                             launcher_pid=self.launcher_pid, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                             global_rank=self.rank, dp_group=self.dp_group)
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelState:
@@ -131,11 +163,12 @@ class ParallelState:
         return cls(rank=0, world_size=1, local_rank=0, device=torch.device(device))
 
     @classmethod
-    def from_env(cls, device: str = "auto", timeout_s: float = 60.0) -> ParallelState:
+    def from_env(cls, device: str = "auto", timeout_s: float = 60.0, data_parallel_size: int = 1) -> ParallelState:
         """Initialise torch.distributed from torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*.
 
         Without those variables this is a single-process world. ``device``:
         "auto" picks ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
+        ``data_parallel_size`` replicas split the world (it must divide WORLD_SIZE).
         """
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             return cls.single(resolve_device(device, 0))
@@ -160,6 +193,8 @@ class ParallelState:
         dist.all_gather_object(entries, me, group=cpu_group)
         topology = Topology.from_ranks(entries)
         ps = cls(rank, world_size, local_rank, dev, tp_group, cpu_group, launcher_pid=launcher_pid, topology=topology)
+        if data_parallel_size > 1:
+            ps._add_replica_groups(data_parallel_size, backend, timeout)
         if topology.num_nodes > 1:
             # Every rank creates every group, in the same order (torch.distributed requires it).
             for node in range(topology.num_nodes):
@@ -172,6 +207,25 @@ class ParallelState:
         logger.info("initialised %s world of %d ranks on %s (%d node%s)", backend, world_size, dev,
                     topology.num_nodes, "s" if topology.num_nodes > 1 else "")
         return ps
+
+    def _add_replica_groups(self, dp: int, backend: str, timeout: datetime.timedelta) -> None:
+        """Every rank creates every replica's groups and the coordinators' group, in the same order."""
+        if self.world_size % dp:
+            raise ConfigError(f"data_parallel_size={dp} does not divide the world of {self.world_size} ranks")
+        if self.topology is not None and self.topology.num_nodes > 1:
+            raise ConfigError("data_parallel_size > 1 runs on one node for now: start every replica's ranks with "
+                              "one torchrun (--nnodes 1)")
+        self.dp_size, tp = dp, self.world_size // dp
+        self.dp_rank = self.rank // tp
+        for d in range(dp):
+            ranks = list(range(d * tp, (d + 1) * tp))
+            group = dist.new_group(ranks, backend=backend, timeout=timeout)
+            control = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend == "nccl" else group
+            if d == self.dp_rank:
+                self._replica_groups = (group, control)
+        coordinators = dist.new_group([d * tp for d in range(dp)], backend="gloo", timeout=timeout)
+        if self.rank % tp == 0:
+            self.dp_group = coordinators
 
     # Collectives. With one rank they are no-ops, so layers need no special case.
 
@@ -191,7 +245,7 @@ class ParallelState:
             return self.node_reduce.gather(x, dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.tp_group)
+        dist.gather(x, parts, group_dst=0, group=self.tp_group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
     def min_int(self, value: int) -> int:
@@ -212,7 +266,7 @@ class ParallelState:
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        dist.broadcast_object_list(box, group_src=0, group=self.cpu_group)
         return box[0]
 
     def node_broadcast_object(self, obj: object) -> object:

@@ -78,6 +78,7 @@ class ShmAllReduce:
         self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
         self.peer_pids, self.timeout_s = peer_pids, timeout_s
         self.heartbeat = heartbeat
+        self.rank_offset = 0  # global rank of this group's rank 0 (a data-parallel replica's coordinator)
         self.should_abort = should_abort  # returns why the run failed, or None while it is healthy
         self._mm = mm
         header = _LINE * world_size
@@ -175,12 +176,12 @@ class ShmAllReduce:
         for r in late:
             pid = self.peer_pids.get(r)
             if pid is not None and not pid_alive(pid):
-                raise WorkerDiedError(died_message(r, pid) + " during a collective")
-        if self.heartbeat is not None:
-            silent = self.heartbeat.silent_peer(late)
+                raise WorkerDiedError(died_message(r + self.rank_offset, pid) + " during a collective")
+        if self.heartbeat is not None:  # its slots are indexed by global rank
+            silent = self.heartbeat.silent_peer([r + self.rank_offset for r in late])
             if silent is not None:
                 r, age = silent
-                raise WorkerDiedError(hung_message(r, self.peer_pids.get(r, -1), age))
+                raise WorkerDiedError(hung_message(r, self.peer_pids.get(r - self.rank_offset, -1), age))
         reason = self.should_abort() if self.should_abort is not None else None
         if reason:
             raise RtpError(f"collective {op} aborted: {reason}")
@@ -209,4 +210,7 @@ def create_and_attach(ps, pids: list[int], timeout_s: float,  # noqa: ANN001 - a
     size = ShmAllReduce.segment_bytes(ps.world_size, slot_bytes)
     mm = share_segment(ps, size, "CPU all-reduce")
     peers = {r: pid for r, pid in enumerate(pids) if r != ps.rank}
-    return ShmAllReduce(mm, ps.rank, ps.world_size, slot_bytes, peers, timeout_s, heartbeat, should_abort)
+    reduce = ShmAllReduce(mm, ps.rank, ps.world_size, slot_bytes, peers, timeout_s, heartbeat, should_abort)
+    if ps.global_rank is not None:  # a data-parallel replica: its rank r is global rank r + offset
+        reduce.rank_offset = ps.global_rank - ps.rank
+    return reduce

@@ -65,6 +65,9 @@ def _json_mapping(value: str) -> dict[str, Any]:
 ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("parallel.tensor_parallel_size", ("--tensor-parallel-size", "-tp"), int,
          "ranks the model is split over; `rtp serve` starts that many (default: torchrun's world size)"),
+    Flag("parallel.data_parallel_size", ("--data-parallel-size", "-dp"), int,
+         "independent replicas behind one server, each over --tensor-parallel-size ranks (`rtp serve` starts "
+         "DP x TP ranks)"),
     Flag("parallel.device", ("--device",), str, "auto (cuda when available), cpu or cuda", ("auto", "cpu", "cuda")),
     Flag("model.dtype", ("--dtype",), _dtype, "auto (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else "
          "float32), float32, bfloat16, float16 (vLLM's half, float, bf16 accepted)",

@@ -20,6 +20,7 @@ from rtp.log import get_logger
 from rtp.outputs import RequestOutput, snapshot
 from rtp.runtime.engine import Engine
 from rtp.runtime.model_info import ModelInfo
+from rtp.runtime.replicas import ReplicaGroup
 from rtp.runtime.step_transport import StepTransport
 from rtp.sampling import SamplingParams
 
@@ -32,6 +33,20 @@ class Runtime:
     def __init__(self, engine: Engine, transport: StepTransport) -> None:
         self.engine, self.transport = engine, transport
         self.closed = False
+        ps = transport.ps
+        # Data parallelism: rank 0 spreads generate() batches over every replica's coordinator.
+        self.replicas: ReplicaGroup | None = None
+        if ps.dp_size > 1 and ps.dp_rank == 0 and ps.dp_group is not None:
+            self.replicas = ReplicaGroup(ps.dp_group, ps.dp_size)
+
+    @property
+    def dp_rank(self) -> int:
+        """This runtime's replica (0 without data parallelism)."""
+        return self.transport.ps.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.transport.ps.dp_size
 
     @property
     def config(self) -> RtpConfig:
@@ -78,13 +93,20 @@ class Runtime:
         for i, sp in enumerate(params):
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] is a {type(sp).__name__}; expected rtp.SamplingParams")
+        if self.replicas is not None and len(batch) > 1:
+            return self.replicas.generate(self, batch, params, use_tqdm)
+        return self.generate_local(batch, params, use_tqdm)
+
+    def generate_local(self, batch: list, params: list[SamplingParams], use_tqdm: bool,
+                       indices: list[int] | None = None) -> list[RequestOutput]:
+        """Generate a checked batch on this replica's engine; ``indices`` name the prompts in errors."""
         ids: list[str] = []
         try:
             for i, (p, sp) in enumerate(zip(batch, params)):
                 try:
                     ids.append(self.engine.add_request(p, sp))
                 except RequestError as e:
-                    raise RequestError(f"prompt {i}: {e}") from None
+                    raise RequestError(f"prompt {i if indices is None else indices[i]}: {e}") from None
             return self._run_until_done(ids, use_tqdm)
         except BaseException:
             for rid in ids:  # leave nothing behind to run in a later call
@@ -145,5 +167,10 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
+        if self.replicas is not None and self.transport.failed is None and self.transport.watchdog.failure is None:
+            try:
+                self.replicas.shutdown(self.config.liveness.timeout_s)
+            except RuntimeError as e:  # a replica is gone: the liveness reports it; release ours anyway
+                logger.warning("the other replicas did not confirm the shutdown: %s", e)
         self.transport.close()
         logger.info("shut down")

@@ -47,15 +47,23 @@ logger = get_logger(__name__)
 
 
 def start(config: RtpConfig, model_dir: Path) -> Runtime:
-    """Bring up this rank. Rank 0 returns its Runtime; other ranks serve and exit the process."""
-    ps = ParallelState.from_env(config.parallel.device, timeout_s=max(config.liveness.timeout_s, 60.0))
-    setup_logging(ps.rank, config.log_level)
-    resolve_tp_size(config, ps.world_size)
+    """Bring up this rank. Rank 0 returns its Runtime; other ranks serve and exit the process.
+
+    With data parallelism every replica's coordinator (global rank ``dp_rank * TP``) returns the
+    Runtime of its replica; the liveness (heartbeats, watchdogs) spans the whole world, so a rank
+    lost in any replica ends the run.
+    """
+    world = ParallelState.from_env(config.parallel.device, timeout_s=max(config.liveness.timeout_s, 60.0),
+                                   data_parallel_size=config.parallel.data_parallel_size)
+    setup_logging(world.rank, config.log_level, coordinator=world.tp_rank == 0)
+    resolve_tp_size(config, world.world_size)
     step_delay = StepDelay.from_env()
-    pids = _gather_pids(ps)
-    heartbeat, watchdog = _start_liveness(config, ps, pids)
+    pids = _gather_pids(world)
+    heartbeat, watchdog = _start_liveness(config, world, pids)
+    ps = world.replica()
+    first = world.dp_rank * world.tp_size
     try:
-        return _start(config, model_dir, ps, pids, heartbeat, watchdog, step_delay)
+        return _start(config, model_dir, ps, pids[first : first + world.tp_size], heartbeat, watchdog, step_delay)
     except BaseException:
         # Every rank usually fails the same way (a bad model, a bad shape): stop watching, so a peer
         # leaving first is not reported on top of the real error. The heartbeat keeps beating until
@@ -108,24 +116,30 @@ def _start_liveness(config: RtpConfig, ps: ParallelState, pids: list[int]) -> tu
         remote = {r: f"pid {topo.pids[r]} on host {topo.hosts[r]}" for r in range(ps.world_size)
                   if r not in ps.local_ranks}
     heartbeat.start()
-    on_failure = WorkerExit(ps.rank, ps.node_leader) if ps.rank != 0 else _exit_at_startup
+    # A replica's coordinator (rank 0 without data parallelism) owns its channel and times its steps;
+    # every rank watches every other rank of its node, whichever replica it belongs to.
+    coordinator = ps.tp_rank == 0
+    leader = ps.dp_rank * ps.tp_size if ps.dp_size > 1 else ps.node_leader
+    on_failure = _exit_at_startup if coordinator else WorkerExit(ps.rank, leader)
     local = set(ps.local_ranks)
     watchdog = Watchdog(
         ps.rank, {r: pid for r, pid in enumerate(pids) if r != ps.rank and r in local}, on_failure,
         heartbeat=heartbeat, parent_pid=ps.launcher_pid,
-        step_timeout_s=config.liveness.step_timeout_s if ps.rank == 0 else None, remote=remote,
+        step_timeout_s=config.liveness.step_timeout_s if coordinator else None, remote=remote,
+        step_ranks=ps.replica_ranks if ps.dp_size > 1 else None,
     )
     return heartbeat, watchdog.start()
 
 
 def _exit_at_startup(failure: Failure) -> None:
-    logger.error("%s; rank 0 exits", failure.message)
+    logger.error("%s; the coordinator exits", failure.message)
     kill_hung(failure)
     os._exit(1)  # the main thread may be blocked in a start-up collective with the lost rank
 
 
 def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int], heartbeat: Heartbeat,
            watchdog: Watchdog, step_delay: StepDelay | None) -> Runtime:
+    """Build this rank's replica on ``ps`` (its replica view; ``pids`` by its rank in it)."""
     if ps.world_size > 1 and ps.num_nodes == 1 and ps.device.type == "cpu" and shm_allreduce.supported():
         # Layers' all-reduces and the logits gather go through shared memory instead of gloo.
         # Lost peers fail a collective through the heartbeat and should_abort; the last-resort timeout

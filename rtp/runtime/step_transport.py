@@ -79,7 +79,7 @@ class StepTransport:
         elif self.relay is not None:  # several nodes, rank 0 alone on its node
             self.relay.send(encode(plan))
         if step is not None and self.step_delay is not None:
-            self.step_delay.apply(0, step)
+            self.step_delay.apply(self.heartbeat.rank, step)
 
     def run_step(self, step: Callable[[], list[RequestOutput]],
                  fail_all: Callable[[str], object]) -> list[RequestOutput]:

@@ -81,7 +81,9 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str | None,
         channel = ShmChannel.attach(channel_name, reader_index=local.index(ps.rank) - 1, timeout=_ATTACH_TIMEOUT_S)
         if isinstance(watchdog.on_failure, WorkerExit):
             watchdog.on_failure.channel_name = channel_name  # from now on a lost leader's channel is removed
-        leader_pid = watchdog.peers[ps.node_leader]
+        # The channel's writer: this node's leader, or (data parallelism) this replica's coordinator.
+        writer_rank = watchdog.on_failure.leader if isinstance(watchdog.on_failure, WorkerExit) else ps.node_leader
+        leader_pid = watchdog.peers[writer_rank]
 
         def lost() -> bool:
             return watchdog.failure is not None or not pid_alive(leader_pid)
@@ -102,12 +104,12 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str | None,
                 writer.write(data, should_abort=failed)
             plan = decode(data)
             if plan.kind == StepKind.SHUTDOWN:
-                logger.info("rank %d: shutdown", ps.rank)
+                logger.info("rank %d: shutdown", heartbeat.rank)
                 return
             if plan.kind == StepKind.STEP:
                 step = heartbeat.start_step()
                 if step_delay is not None:
-                    step_delay.apply(ps.rank, step)
+                    step_delay.apply(heartbeat.rank, step)
                 runner.execute(plan)
                 heartbeat.finish_step()
     except Exception:
