@@ -192,6 +192,9 @@ class ServerConfig(Section):
     api_processes: int | None = setting(None, integer(0, 64, nullable=True))
     """HTTP frontend processes (vLLM's --api-server-count), 0..64: 0 serves HTTP in rank 0's own process,
     N >= 1 runs N frontends beside rank 0's engine loop; None: 1 (as vLLM)."""
+    data_parallel_routing: str = setting("cache_aware", choice("cache_aware", "round_robin"))
+    """With data_parallel_size > 1: "cache_aware" sends a request to the replica most likely to hold its prompt's
+    prefix, balanced against the replicas' loads (rtp/server/router.py); "round_robin" ignores the caches."""
 
     @classmethod
     def joint_rule(cls, values: Mapping[str, Any], key_of: Callable[[str], str]) -> tuple[str, str] | None:

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             # Claim the port before loading the model: a busy port fails in a second, not after the load.
             sock = bind_socket(config.server.host, config.server.port)
-        runtime = rtp.init(config)  # worker ranks serve inside and exit there
+        runtime = rtp._init(config, {})  # worker ranks serve inside and exit there; every replica serves here
         return run_server(runtime, sock, access_log=args.access_log)
     except RtpError as e:
         return fail(e)

@@ -68,7 +68,14 @@ class ServingEngine(StreamOwner, Protocol):
     """What the HTTP app serves from: AsyncEngine in rank 0's process, EngineClient in a frontend process."""
 
     failure: str | None
-    stats: dict[str, float]
+
+    @property
+    def stats(self) -> dict[str, float]: ...
+
+    @property
+    def replica_stats(self) -> list[dict[str, float]]:
+        """Per data-parallel replica (one entry without data parallelism)."""
+        ...
 
     @property
     def running(self) -> bool: ...
@@ -81,7 +88,8 @@ class ServingEngine(StreamOwner, Protocol):
 
     def tokenize(self, prompt: str | list[int]) -> list[int]: ...
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream: ...
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                    replica: int | None = None) -> RequestStream: ...
 
 
 class RequestStream:
@@ -152,6 +160,11 @@ class AsyncEngine:
     # ---- lifecycle ----
 
     @property
+    def replica_stats(self) -> list[dict[str, float]]:
+        """One replica: the engine's stats."""
+        return [self.stats]
+
+    @property
     def running(self) -> bool:
         """True while the engine thread serves and nothing failed."""
         return self._thread is not None and self._thread.is_alive() and self.failure is None \
@@ -200,13 +213,17 @@ class AsyncEngine:
         """The engine's token ids of ``prompt``, validated (any thread; it blocks for the tokenizer)."""
         return self.engine.tokenize(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                    replica: int | None = None) -> RequestStream:
         """Submit a request and return its output stream.
 
         Raises RequestError (a ValueError) for a prompt the engine can never
         serve and EngineDeadError once the runtime has failed; nothing is
         queued in either case. Must be called from a running event loop.
+        ``replica`` (a data-parallel pin) may only be None or 0 here: one engine.
         """
+        if replica not in (None, 0):
+            raise RequestError(f"data_parallel_rank={replica} is out of range: this server has one replica (0)")
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         if self._stop.is_set():

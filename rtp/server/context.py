@@ -45,6 +45,8 @@ from rtp.structured import GrammarCompileError, GrammarCompiler, GrammarSpec, St
 
 _T = TypeVar("_T")
 
+DP_RANK_HEADER = "X-Data-Parallel-Rank"
+"""Pins a request to one data-parallel replica (vLLM's spelling); the body field ``data_parallel_rank`` too."""
 _GRAMMAR_TIMEOUT_S = 30.0  # a grammar that takes longer to compile is refused (400)
 
 
@@ -65,7 +67,7 @@ class ServerContext:
     def __init__(self, engine: ServingEngine, server: ServerConfig, info: ModelInfo) -> None:
         self.engine, self.server, self.info = engine, server, info
         self.model_name, self.tokenizer, self.max_model_len = info.name, info.tokenizer, info.max_model_len
-        self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
+        self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name, lambda: self.engine.replica_stats)
         self.created = int(time.time())
         # Tokenizing and chat templates take milliseconds per prompt (a second for a 1 MiB one): on
         # the event loop they would stall every stream, /health and the failure answers. One thread
@@ -142,6 +144,11 @@ class ServerContext:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+        pin = request.headers.get(DP_RANK_HEADER)
+        if pin is not None and "data_parallel_rank" in model.model_fields:
+            if not pin.strip().isdigit():
+                raise ApiError(400, f"the {DP_RANK_HEADER} header must be a replica index >= 0, got {pin!r}")
+            data["data_parallel_rank"] = int(pin)
         try:
             return model.model_validate(data)
         except ValidationError as e:
@@ -175,7 +182,7 @@ class ServerContext:
             if constraint is not None:
                 params.constraint = constraint
             rid = f"{prefix}-{uuid.uuid4().hex}"
-            return self.engine.add_request(ids, params, rid), ids, rid
+            return self.engine.add_request(ids, params, rid, getattr(req, "data_parallel_rank", None)), ids, rid
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
             raise runtime_error(e, prompt_param) from None
 

@@ -44,6 +44,7 @@ from rtp.server.frontend_wire import (
     encode_abort,
     frame,
 )
+from rtp.server.router import PrefixRouter
 from rtp.structured import GrammarSpec
 
 logger = get_logger(__name__)
@@ -51,16 +52,34 @@ logger = get_logger(__name__)
 _RECV_BYTES = 1 << 18
 
 
+class _EngineConn:
+    """One engine's socket seen from the frontend: its frame reader, unsent bytes and last stats."""
+
+    def __init__(self, index: int, sock: socket.socket) -> None:
+        self.index, self.sock = index, sock
+        self.reader = FrameReader()
+        self.out = bytearray()  # frames the socket did not take yet
+        self.stats: dict[str, float] = {}
+        self.in_flight = 0  # this frontend's requests running there
+        self.routed = 0  # requests sent there since the start
+
+
 class EngineClient:
-    """Rank 0's engine seen from one frontend process, over the socket ``sock``.
+    """The engines seen from one frontend process: rank 0's over ``sock`` (and, with data parallelism, the
+    other replicas' coordinators over ``replicas``), the request going to the one ``router`` picks.
 
     ``limits`` are the engine's numbers the frontend validates with (HELLO's
     "limits": block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching).
+    enable_prefix_caching); with several replicas, the smallest of each.
     """
 
-    def __init__(self, sock: socket.socket, info: ModelInfo, limits: dict[str, int]) -> None:
+    def __init__(self, sock: socket.socket, info: ModelInfo, limits: dict[str, int],
+                 replicas: list[socket.socket] | None = None, router: PrefixRouter | None = None) -> None:
+        self.conns = [_EngineConn(i, s) for i, s in enumerate([sock, *(replicas or [])])]
         self.sock = sock
+        self.router = router
+        if len(self.conns) > 1 and router is None:
+            raise ValueError("several engines need a router")
         self.info = info
         self.inputs = InputProcessor(info)
         # Only for Scheduler.validate (pure checks of length and cache size): the engine's own
@@ -71,18 +90,34 @@ class EngineClient:
             enable_prefix_caching=bool(limits["enable_prefix_caching"])), info.eos_token_ids)
         self._decoder = TokenDecoder(info.tokenizer)
         self.failure: str | None = None
-        self.stats: dict[str, float] = {}
         self.on_dead: list[Callable[[str], None]] = []  # the engine failed or went away: stop serving
         self.on_shutdown: list[Callable[[], None]] = []  # the engine asked for a graceful stop
-        self._requests: dict[int, tuple[FrontendRequest, RequestStream]] = {}  # by handle
+        # by handle: the request, its stream, the engine it runs on
+        self._requests: dict[int, tuple[FrontendRequest, RequestStream, _EngineConn]] = {}
         self._handles: dict[str, int] = {}  # request id -> handle
         self._next_handle = 0
-        self._reader = FrameReader()
-        self._out = bytearray()  # frames the socket did not take yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started = False
         self._stopping = False
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The engines' stats summed (kv_usage: the mean), for /metrics."""
+        if len(self.conns) == 1:
+            return self.conns[0].stats
+        total: dict[str, float] = {}
+        for conn in self.conns:
+            for k, v in conn.stats.items():
+                total[k] = total.get(k, 0.0) + v
+        if "kv_usage" in total:
+            total["kv_usage"] /= len(self.conns)
+        return total
+
+    @property
+    def replica_stats(self) -> list[dict[str, float]]:
+        """Each replica's last stats, with the requests this frontend routed there ("routed_requests")."""
+        return [{**c.stats, "routed_requests": float(c.routed)} for c in self.conns]
 
     # ---- lifecycle (the app's lifespan) ----
 
@@ -92,16 +127,18 @@ class EngineClient:
         return self._started and self.failure is None and not self._stopping
 
     def start(self) -> None:
-        """Start reading the engine's frames on the running event loop."""
+        """Start reading the engines' frames on the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._thread = threading.current_thread()
-        self.sock.setblocking(False)
-        self._loop.add_reader(self.sock.fileno(), self._on_readable)
+        for conn in self.conns:
+            conn.sock.setblocking(False)
+            self._loop.add_reader(conn.sock.fileno(), self._on_readable, conn)
         self._started = True
 
     def send_ready(self) -> None:
-        """Tell the engine this frontend accepts connections."""
-        self._send(frame(Kind.READY))
+        """Tell the engines this frontend accepts connections."""
+        for conn in self.conns:
+            self._send(conn, frame(Kind.READY))
 
     def stop(self, timeout: float = 30.0) -> None:
         """End every stream still open (the server stops). Idempotent; any thread."""
@@ -119,7 +156,7 @@ class EngineClient:
         return self._end_all(ServerShuttingDownError(message))
 
     def _end_all(self, error: BaseException) -> int:
-        streams = [stream for _, stream in list(self._requests.values())]
+        streams = [stream for _, stream, _ in list(self._requests.values())]
         for stream in streams:
             stream.put(error)
         return len(streams)
@@ -130,8 +167,12 @@ class EngineClient:
         """Token ids of ``prompt``, validated (any thread; it blocks for the tokenizer)."""
         return self.inputs.tokenize(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
-        """Validate and send a request; returns its output stream (see AsyncEngine.add_request)."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                    replica: int | None = None) -> RequestStream:
+        """Validate and send a request; returns its output stream (see AsyncEngine.add_request).
+
+        ``replica`` pins it to one data-parallel replica; otherwise the router picks one.
+        """
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         if self._stopping or not self._started:
@@ -144,12 +185,20 @@ class EngineClient:
         grammar: GrammarSpec | None = getattr(params.constraint, "grammar_spec", None)
         if params.constraint is not None and grammar is None:
             raise RequestError("a constraint needs its grammar spec to reach the engine process")
+        if self.router is not None:
+            conn = self.conns[self.router.choose(ids, [c.in_flight for c in self.conns], replica)]
+        elif replica not in (None, 0):
+            raise RequestError(f"data_parallel_rank={replica} is out of range: this server has one replica (0)")
+        else:
+            conn = self.conns[0]
         handle = self._next_handle
         self._next_handle = (self._next_handle + 1) & 0xFFFFFFFF
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._requests[handle] = (FrontendRequest(request_id, ids, params, self._decoder), stream)
+        self._requests[handle] = (FrontendRequest(request_id, ids, params, self._decoder), stream, conn)
         self._handles[request_id] = handle
-        self._send(EngineRequest(handle, request_id, ids, params, grammar).encode())
+        conn.in_flight += 1
+        conn.routed += 1
+        self._send(conn, EngineRequest(handle, request_id, ids, params, grammar).encode())
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -164,70 +213,90 @@ class EngineClient:
         handle = self._handles.pop(request_id, None)
         if handle is None:
             return
-        self._requests.pop(handle, None)
+        entry = self._requests.pop(handle, None)
+        if entry is None:
+            return
+        conn = entry[2]
+        conn.in_flight -= 1
         if abort and self.failure is None:
-            self._send(encode_abort([handle]))
+            self._send(conn, encode_abort([handle]))
 
-    # ---- the socket (event loop) ----
+    def _drop(self, handle: int) -> _EngineConn:
+        """Forget a request that ended (finished or refused); returns its engine."""
+        req, _, conn = self._requests.pop(handle)
+        self._handles.pop(req.output.request_id, None)
+        conn.in_flight -= 1
+        return conn
 
-    def _send(self, data: bytes) -> None:
-        if self._out:
-            self._out += data
+    # ---- the sockets (event loop) ----
+
+    def _send(self, conn: _EngineConn, data: bytes) -> None:
+        if conn.out:
+            conn.out += data
             return
         try:
-            sent = self.sock.send(data)
+            sent = conn.sock.send(data)
         except BlockingIOError:
             sent = 0
         except OSError:
             return  # the engine is gone: the reader sees EOF
         if sent < len(data):
-            self._out += data[sent:]
+            conn.out += data[sent:]
             assert self._loop is not None
-            self._loop.add_writer(self.sock.fileno(), self._on_writable)
+            self._loop.add_writer(conn.sock.fileno(), self._on_writable, conn)
 
-    def _on_writable(self) -> None:
+    def _on_writable(self, conn: _EngineConn) -> None:
         try:
-            sent = self.sock.send(self._out)
+            sent = conn.sock.send(conn.out)
         except BlockingIOError:
             return
         except OSError:
-            sent = len(self._out)
-        del self._out[:sent]
-        if not self._out:
+            sent = len(conn.out)
+        del conn.out[:sent]
+        if not conn.out:
             assert self._loop is not None
-            self._loop.remove_writer(self.sock.fileno())
+            self._loop.remove_writer(conn.sock.fileno())
 
-    def _on_readable(self) -> None:
+    def _name(self, conn: _EngineConn) -> str:
+        if len(self.conns) == 1:
+            return "the engine process (rank 0)"
+        return f"the engine of data-parallel replica {conn.index}"
+
+    def _on_readable(self, conn: _EngineConn) -> None:
         try:
-            data = self.sock.recv(_RECV_BYTES)
+            data = conn.sock.recv(_RECV_BYTES)
         except BlockingIOError:
             return
         except OSError:
             data = b""
         if not data:
             assert self._loop is not None
-            self._loop.remove_reader(self.sock.fileno())
+            self._loop.remove_reader(conn.sock.fileno())
             if not self._stopping:
-                self._dead("the engine process (rank 0) is gone")
+                self._dead(f"{self._name(conn)} is gone")
             return
-        for kind, payload in self._reader.feed(data):
+        for kind, payload in conn.reader.feed(data):
             if kind == Kind.OUTPUTS:
-                self._on_outputs(payload)
+                self._on_outputs(conn, payload)
             elif kind == Kind.FAIL:
-                self._dead(bytes(payload).decode())
+                message = bytes(payload).decode()
+                self._dead(message if len(self.conns) == 1 else f"replica {conn.index}: {message}")
             elif kind == Kind.SHUTDOWN:
-                self._stopping = True
-                for hook in self.on_shutdown:
-                    hook()
+                if not self._stopping:
+                    self._stopping = True
+                    for hook in self.on_shutdown:
+                        hook()
 
     def _dead(self, message: str) -> None:
+        if self.failure is not None:
+            return
         self.fail(message)
         for hook in self.on_dead:
             hook(message)
 
-    def _on_outputs(self, payload: memoryview) -> None:
+    def _on_outputs(self, conn: _EngineConn, payload: memoryview) -> None:
         stats, updates, errors, prompt_lps = decode_outputs(payload)
-        self.stats = stats
+        conn.stats = stats
         now = time.time()
         changed: dict[int, FrontendRequest] = {}
         for upd in updates:
@@ -248,8 +317,7 @@ class EngineClient:
             if entry is None:
                 continue
             entry[0].abort(message)
-            self._handles.pop(entry[0].output.request_id, None)
-            del self._requests[handle]
+            self._drop(handle)
             entry[1].put(EngineDeadError(message) if self.failure else RequestError(message))
         for handle, req in changed.items():
             entry = self._requests.get(handle)
@@ -257,8 +325,7 @@ class EngineClient:
                 continue
             stream = entry[1]
             if req.finished:
-                self._handles.pop(req.output.request_id, None)
-                del self._requests[handle]
+                self._drop(handle)
                 if req.stopped_here:  # a stop string matched here: the engine still runs the request
-                    self._send(encode_abort([handle]))
+                    self._send(conn, encode_abort([handle]))
             stream.put(req.snapshot())

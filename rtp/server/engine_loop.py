@@ -24,6 +24,15 @@ Exits, each ending the frontends and the workers, no segment left behind:
   ``liveness_timeout_s``): its requests are aborted in the engine, the others get
   FAIL (their clients an error), and the server exits 1.
 * A rank is lost (the runtime's watchdog): FAIL to every frontend, exit 1.
+
+Data parallelism (``data_parallel_size`` > 1): every replica's coordinator runs
+this loop over its own engine. Rank 0 starts the frontends and tells them, in
+HELLO, the other replicas' Unix socket names (abstract, so nothing is left on
+disk); each frontend connects to every replica and routes each request to one
+of them (rtp/server/router.py). Another replica's loop accepts the frontends'
+connections instead of starting them, and otherwise runs, stops and fails in
+the same way: its FAIL reaches every frontend, which fails its clients and
+exits 1, and rank 0 then exits 1 too.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -41,7 +51,7 @@ from rtp.log import get_logger
 from rtp.outputs import RequestOutput
 from rtp.server.frontend_procs import FrontendLink, spawn_frontends
 from rtp.server.frontend_procs import metrics_dir as new_metrics_dir
-from rtp.server.frontend_wire import EngineRequest, Kind, decode_abort, frame
+from rtp.server.frontend_wire import EngineRequest, Kind, decode_abort, encode_hello, frame
 from rtp.structured import GrammarCompiler
 
 if TYPE_CHECKING:
@@ -58,8 +68,12 @@ _CANCEL_MARGIN_S = 5.0
 class EngineLoop:
     """Serve ``runtime`` (rank 0) to ``count`` frontends accepting on ``listen``."""
 
-    def __init__(self, runtime: Runtime, listen: socket.socket, count: int, url: str, access_log: bool) -> None:
+    def __init__(self, runtime: Runtime, listen: socket.socket | None, count: int, url: str, access_log: bool,
+                 replicas: list[str] | None = None, accept_on: socket.socket | None = None) -> None:
+        """``replicas``: (rank 0) the other replicas' socket names, for the frontends' HELLO;
+        ``accept_on``: (another replica) the Unix socket the frontends connect to."""
         self.runtime, self.engine = runtime, runtime.engine
+        self.replicas, self.accept_on = replicas or [], accept_on
         self.listen, self.count, self.url, self.access_log = listen, count, url, access_log
         self.grace_s = runtime.config.server.shutdown_grace_s
         self.links: list[FrontendLink] = []
@@ -96,24 +110,56 @@ class EngineLoop:
                        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
                        "enable_prefix_caching": int(cfg.cache.enable_prefix_caching)},
         }
-        metrics_dir = new_metrics_dir()
+        metrics_dir = new_metrics_dir() if self.accept_on is None else None
         self.runtime.on_failure.append(self._on_runtime_failure)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         try:
-            self.links = spawn_frontends(self.count, self.listen, hello, metrics_dir, cfg.liveness.timeout_s)
-            if self._wait_ready():
-                logger.info("serving on %s (%d API frontend process(es): pid %s)", self.url, self.count,
-                            ", ".join(str(link.pid) for link in self.links))
+            if self.accept_on is not None:
+                self._accept_frontends(hello)
+            else:
+                assert self.listen is not None and metrics_dir is not None
+                hello["replicas"] = self.replicas
+                self.links = spawn_frontends(self.count, self.listen, hello, metrics_dir, cfg.liveness.timeout_s)
+            if self.exit_code == 0 and self._wait_ready():
+                if self.accept_on is None:
+                    logger.info("serving on %s (%d API frontend process(es): pid %s)", self.url, self.count,
+                                ", ".join(str(link.pid) for link in self.links))
+                else:
+                    logger.info("replica %d serving %d API frontend process(es)", self.runtime.dp_rank, self.count)
                 self._serve()
             return self.exit_code
         finally:
             self._end_frontends()
             if self._grammar_pool is not None:
                 self._grammar_pool.shutdown(wait=False, cancel_futures=True)
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+            if metrics_dir is not None:
+                shutil.rmtree(metrics_dir, ignore_errors=True)
             self._wake_r.close()
             self._wake_w.close()
+
+    def _accept_frontends(self, hello: dict[str, Any]) -> None:
+        """Another replica: accept the ``count`` frontends' connections (rank 0 started them), HELLO to each."""
+        assert self.accept_on is not None
+        self.accept_on.settimeout(0.2)
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while len(self.links) < self.count:
+            if self.stopping or self.failure is not None:
+                return
+            if time.monotonic() > deadline:
+                logger.error("the API frontends did not connect to replica %d within %.0f s", self.runtime.dp_rank,
+                             _READY_TIMEOUT_S)
+                self.exit_code = 1
+                return
+            try:
+                conn, _ = self.accept_on.accept()
+            except TimeoutError:
+                continue
+            conn.setblocking(True)
+            pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            link = FrontendLink(len(self.links), None, conn, self.runtime.config.liveness.timeout_s, pid=pid)
+            self.links.append(link)
+            link.send(encode_hello({**hello, "index": link.index}))
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -290,8 +336,8 @@ class EngineLoop:
 
     def _check_procs(self) -> None:
         for link in self.links:
-            if not link.closed and link.proc.poll() is not None:
-                self._lost(link, f"exited with code {link.proc.returncode}")
+            if not link.closed and (code := link.returncode()) is not None:
+                self._lost(link, f"exited with code {code}")
 
     def _lost(self, link: FrontendLink, why: str) -> None:
         """A frontend is gone: its requests are aborted in the engine; unless stopping anyway, stop the server."""
@@ -299,8 +345,8 @@ class EngineLoop:
             return
         link.close()
         try:  # a broken socket usually means the process died: say how
-            why = f"exited with code {link.proc.wait(0.5)}"
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: still running
+            why = f"exited with code {link.wait(0.5)}"
+        except TimeoutError:  # still running
             pass
         for rid in link.live.values():
             self.owners.pop(rid, None)
@@ -360,10 +406,11 @@ class EngineLoop:
                 link.send(frame(Kind.SHUTDOWN))
         for link in self.links:
             try:
-                link.proc.wait(max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+                link.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
                 link.kill()
-                link.proc.wait()
+                if link.proc is not None:
+                    link.proc.wait()
             link.close()
 
 

@@ -25,9 +25,11 @@ from rtp.config import RtpConfig, ServerConfig
 from rtp.distributed.liveness import set_parent_death_signal
 from rtp.log import get_logger, setup_logging
 from rtp.runtime.model_info import ModelInfo
+from rtp.server import replica_sockets
 from rtp.server.api import build_app
 from rtp.server.engine_client import EngineClient
 from rtp.server.frontend_wire import FrameReader, Kind, decode_hello
+from rtp.server.router import PrefixRouter, RoundRobinRouter
 from rtp.server.runner import _CANCEL_MARGIN_S, GracefulServer, _ignore_late_signal, route_uvicorn_logs
 
 logger = get_logger("rtp.server.frontend")  # run as __main__: a name in rtp's logger tree
@@ -38,7 +40,7 @@ def _read_hello(sock: socket.socket) -> dict:
     while True:
         data = sock.recv(1 << 16)
         if not data:
-            raise SystemExit(1)  # rank 0 went away before the start
+            raise SystemExit(1)  # the engine went away before the start
         for kind, payload in reader.feed(data):
             if kind == Kind.HELLO:
                 return decode_hello(payload)
@@ -74,7 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     server_cfg = ServerConfig(**hello["server"])
     info = ModelInfo.load(Path(hello["model_dir"]), hello["vocab_size"], hello["max_model_len"], name=hello["name"])
-    client = EngineClient(engine_sock, info, hello["limits"])
+    # Data parallelism: one more engine per other replica, each with its own HELLO (its cache size).
+    replicas = [replica_sockets.connect(address) for address in hello.get("replicas", [])]
+    limits = dict(hello["limits"])
+    for sock in replicas:
+        for key, value in _read_hello(sock)["limits"].items():
+            limits[key] = min(limits[key], value)
+    router = None
+    if replicas:
+        num = len(replicas) + 1
+        router = (RoundRobinRouter(num) if server_cfg.data_parallel_routing == "round_robin"
+                  else PrefixRouter(num, limits["block_size"], limits["num_blocks"]))
+    client = EngineClient(engine_sock, info, limits, replicas, router)
     app = build_app(client, RtpConfig(server=server_cfg), info)
     route_uvicorn_logs()
     uv_config = uvicorn.Config(app, log_config=None, access_log=bool(hello["access_log"]), lifespan="on",
@@ -102,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         listen.close()
         engine_sock.close()
+        for sock in replicas:
+            sock.close()
     return exit_code
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from rtp.server.frontend_wire import FrameReader, Kind, StepOutputs, encode_hell
 
 logger = get_logger(__name__)
 
-_SOCK_BUF_BYTES = 4 << 20  # step outputs of a large batch fit without a blocking write
+SOCK_BUF_BYTES = 4 << 20  # step outputs of a large batch fit without a blocking write
 
 
 def default_api_processes() -> int:
@@ -61,10 +62,16 @@ def metrics_dir() -> str:
 
 
 class FrontendLink:
-    """One frontend process and rank 0's end of its socket."""
+    """One frontend process and an engine's end of its socket.
 
-    def __init__(self, index: int, proc: subprocess.Popen[bytes], sock: socket.socket, send_timeout_s: float) -> None:
+    Rank 0 started the process (``proc``); another data-parallel replica's
+    coordinator only accepted its connection and knows its ``pid``.
+    """
+
+    def __init__(self, index: int, proc: subprocess.Popen[bytes] | None, sock: socket.socket, send_timeout_s: float,
+                 pid: int | None = None) -> None:
         self.index, self.proc, self.sock = index, proc, sock
+        self._pid = proc.pid if proc is not None else pid
         sock.settimeout(send_timeout_s)  # a frontend that reads nothing for this long is hung
         self.reader = FrameReader()
         self.ready = False
@@ -76,7 +83,27 @@ class FrontendLink:
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self._pid if self._pid is not None else -1
+
+    def returncode(self) -> int | None:
+        """The process's exit code once it is gone (-1 when it is not this process's child), else None."""
+        if self.proc is not None:
+            return self.proc.poll()
+        return None if pid_alive(self.pid) else -1
+
+    def wait(self, timeout: float) -> int:
+        """Wait up to ``timeout`` s for the process to exit; raises TimeoutError if it is still there."""
+        if self.proc is not None:
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError from None
+        deadline = time.monotonic() + timeout
+        while (code := self.returncode()) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            time.sleep(0.05)
+        return code
 
     def send(self, data: bytes) -> bool:
         """Write one or more frames; False when the frontend is gone or hung (it is killed then)."""
@@ -113,7 +140,7 @@ class FrontendLink:
         return self.send(out.encode())
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:  # rank 0's child; a replica only closes
             try:
                 self.proc.send_signal(signal.SIGKILL)
             except ProcessLookupError:
@@ -136,8 +163,8 @@ def spawn_frontends(count: int, listen: socket.socket, hello: dict[str, Any], me
         for i in range(count):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             for s in (ours, theirs):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF_BYTES)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF_BYTES)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF_BYTES)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF_BYTES)
             cmd = [sys.executable, "-m", "rtp.server.frontend", "--index", str(i),
                    "--listen-fd", str(listen.fileno()), "--engine-fd", str(theirs.fileno())]
             proc = subprocess.Popen(cmd, pass_fds=(listen.fileno(), theirs.fileno()), env=env)

@@ -68,6 +68,33 @@ class _EngineStatsCollector(Collector):
         yield per_pos
 
 
+class _ReplicaStatsCollector(Collector):
+    """Data parallelism: each replica's gauges, labelled ``replica`` (the unlabelled ones are the totals)."""
+
+    _GAUGES = (("num_running", "rtp_replica_requests_running", "Requests in the replica's running batch."),
+               ("num_waiting", "rtp_replica_requests_waiting", "Requests queued on the replica."),
+               ("kv_usage", "rtp_replica_kv_cache_usage_ratio", "Fraction of the replica's KV blocks in use."),
+               ("prefix_hit_tokens", "rtp_replica_prefix_cache_hit_tokens",
+                "Prompt tokens the replica served from its prefix cache (cumulative)."),
+               ("prefix_query_tokens", "rtp_replica_prefix_cache_query_tokens",
+                "Prompt tokens the replica looked up in its prefix cache (cumulative)."),
+               ("routed_requests", "rtp_replica_routed_requests",
+                "Requests this API frontend sent to the replica (cumulative)."))
+
+    def __init__(self, replica_stats: Callable[[], list[dict[str, float]]]) -> None:
+        self._replica_stats = replica_stats
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = self._replica_stats()
+        if len(replicas) < 2:
+            return
+        for key, name, doc in self._GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["replica"])
+            for i, s in enumerate(replicas):
+                family.add_metric([str(i)], s.get(key, 0.0))
+            yield family
+
+
 class ServerMetrics:
     """The server's metrics; ``stats`` returns the engine's latest stats dict.
 
@@ -75,7 +102,8 @@ class ServerMetrics:
     with ``model_name``.
     """
 
-    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str = "rtp") -> None:
+    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str = "rtp",
+                 replica_stats: Callable[[], list[dict[str, float]]] | None = None) -> None:
         self.registry = CollectorRegistry()  # what /metrics renders
         mp_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         # Multiprocess mode: this process's series go to its files (a registry never rendered), and
@@ -97,6 +125,8 @@ class ServerMetrics:
                               "Per request: (last token - first token) / (output tokens - 1).",
                               buckets=_ITL_BUCKETS, registry=r)
         self.registry.register(_EngineStatsCollector(stats))
+        if replica_stats is not None:
+            self.registry.register(_ReplicaStatsCollector(replica_stats))
         self.registry.register(VllmMetricsCollector(self, stats, model_name))
 
     def samples(self, metric: Counter | Histogram) -> list[Any]:

@@ -132,6 +132,8 @@ class CommonRequest(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
     bad_words: list[NonEmptyText] | None = None
+    data_parallel_rank: int | None = Field(
+        default=None, ge=0, description="run on this data-parallel replica (header X-Data-Parallel-Rank too)")
     # Structured outputs, vLLM's spellings: at most one constraint per request.
     guided_json: dict[str, Any] | str | None = Field(default=None, description="a JSON schema the output follows")
     guided_regex: str | None = Field(default=None, description="a regular expression the output matches")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from rtp.errors import RtpError
+from rtp.errors import ConfigError, RtpError
 from rtp.log import RtpLogHandler, get_logger
 from rtp.server.api import build_app
 from rtp.server.async_engine import AsyncEngine, ServingEngine
@@ -99,6 +99,32 @@ def route_uvicorn_logs() -> None:
         log.setLevel(logging.INFO)
 
 
+def _run_replica_server(runtime: Runtime, sock: socket.socket | None, frontends: int, access_log: bool) -> int:
+    """Data parallelism: every replica's coordinator serves its engine to the frontends rank 0 starts."""
+    from rtp.server import replica_sockets
+    from rtp.server.engine_loop import EngineLoop
+
+    if frontends < 1:
+        raise ConfigError("data_parallel_size > 1 needs API frontend processes: server.api_processes >= 1 "
+                          "(--api-server-count), not 0")
+    runtime.replicas = None  # the offline batch protocol is not used: each replica stops on its own
+    listen, names = replica_sockets.exchange(runtime, frontends)
+    if runtime.dp_rank > 0:
+        assert listen is not None
+        try:
+            return EngineLoop(runtime, None, frontends, "", access_log, accept_on=listen).run()
+        finally:
+            listen.close()
+    server_cfg = runtime.config.server
+    sock = sock if sock is not None else bind_socket(server_cfg.host, server_cfg.port)
+    logger.info("model %r (max_model_len=%d), %d data-parallel replicas, API key %s", runtime.model_info.name,
+                runtime.model_info.max_model_len, runtime.dp_size, "required" if server_cfg.api_key else "not required")
+    try:
+        return EngineLoop(runtime, sock, frontends, socket_url(sock), access_log, replicas=names).run()
+    finally:
+        sock.close()
+
+
 def run_server(runtime: Runtime, sock: socket.socket | None = None, access_log: bool = False) -> int:
     """Serve ``runtime`` (rank 0's Runtime) until SIGTERM/SIGINT; returns the exit code (0 after a clean stop).
 
@@ -108,8 +134,10 @@ def run_server(runtime: Runtime, sock: socket.socket | None = None, access_log: 
     config = runtime.config
     server_cfg = config.server
     info = runtime.model_info
-    sock = sock if sock is not None else bind_socket(server_cfg.host, server_cfg.port)
     frontends = server_cfg.api_processes if server_cfg.api_processes is not None else default_api_processes()
+    if runtime.dp_size > 1:
+        return _run_replica_server(runtime, sock, frontends, access_log)
+    sock = sock if sock is not None else bind_socket(server_cfg.host, server_cfg.port)
     if frontends > 0:
         from rtp.server.engine_loop import EngineLoop
 
