@@ -74,8 +74,10 @@ class EngineClient:
     """
 
     def __init__(self, sock: socket.socket, info: ModelInfo, limits: dict[str, int],
-                 replicas: list[socket.socket] | None = None, router: PrefixRouter | None = None) -> None:
+                 replicas: list[socket.socket] | None = None, router: PrefixRouter | None = None,
+                 names: list[str] | None = None) -> None:
         self.conns = [_EngineConn(i, s) for i, s in enumerate([sock, *(replicas or [])])]
+        self._names = ["the engine process (rank 0)", *(names or [])]  # "... is gone"
         self.sock = sock
         self.router = router
         if len(self.conns) > 1 and router is None:
@@ -258,8 +260,8 @@ class EngineClient:
             self._loop.remove_writer(conn.sock.fileno())
 
     def _name(self, conn: _EngineConn) -> str:
-        if len(self.conns) == 1:
-            return "the engine process (rank 0)"
+        if conn.index < len(self._names):
+            return self._names[conn.index]
         return f"the engine of data-parallel replica {conn.index}"
 
     def _on_readable(self, conn: _EngineConn) -> None:

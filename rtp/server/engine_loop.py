@@ -37,6 +37,7 @@ exits 1, and rank 0 then exits 1 too.
 
 from __future__ import annotations
 
+import os
 import select
 import shutil
 import signal
@@ -159,7 +160,8 @@ class EngineLoop:
             pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
             link = FrontendLink(len(self.links), None, conn, self.runtime.config.liveness.timeout_s, pid=pid)
             self.links.append(link)
-            link.send(encode_hello({**hello, "index": link.index}))
+            rank = self.runtime.transport.ps.global_rank
+            link.send(encode_hello({**hello, "index": link.index, "rank": rank, "pid": os.getpid()}))
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + _READY_TIMEOUT_S

@@ -79,15 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     # Data parallelism: one more engine per other replica, each with its own HELLO (its cache size).
     replicas = [replica_sockets.connect(address) for address in hello.get("replicas", [])]
     limits = dict(hello["limits"])
-    for sock in replicas:
-        for key, value in _read_hello(sock)["limits"].items():
+    who: list[str] = []  # each replica's engine, for the message when its socket closes
+    for i, sock in enumerate(replicas, start=1):
+        replica_hello = _read_hello(sock)
+        who.append(f"rank {replica_hello['rank']} (pid {replica_hello['pid']}), data-parallel replica {i}'s engine,")
+        for key, value in replica_hello["limits"].items():
             limits[key] = min(limits[key], value)
     router = None
     if replicas:
         num = len(replicas) + 1
         router = (RoundRobinRouter(num) if server_cfg.data_parallel_routing == "round_robin"
                   else PrefixRouter(num, limits["block_size"], limits["num_blocks"]))
-    client = EngineClient(engine_sock, info, limits, replicas, router)
+    client = EngineClient(engine_sock, info, limits, replicas, router, names=who)
     app = build_app(client, RtpConfig(server=server_cfg), info)
     route_uvicorn_logs()
     uv_config = uvicorn.Config(app, log_config=None, access_log=bool(hello["access_log"]), lifespan="on",

@@ -1,0 +1,182 @@
+"""launch/serve.py with data parallelism: DP = 2 x TP = 1 replicas behind one endpoint.
+
+One server for the module (2 ranks, each a replica of its own). In file order:
+greedy outputs equal HF's on both replicas, pins and their errors, cache-aware
+routing of 8 conversations (cached-token fraction), a shared-prefix load that
+still spreads over both replicas, and last a killed replica under load: every
+client gets an answer, /health says why, the server exits non-zero within the
+liveness bound and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rtp.distributed.liveness import pid_alive
+from rtp.testing import default_model_dir
+from tests.server.test_serve_e2e import Server, kill, launch, read_stream, shm_segments, wait_ready
+from tests.server.test_serve_faults import health_probe, late_requests
+from tests.utils import hf_greedy, rank_pids
+
+pytestmark = pytest.mark.slow
+
+LIVENESS_S = 4.0
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve_dp")
+    config = tmp / "dp.yaml"
+    config.write_text(
+        f"model: {default_model_dir()}\n"
+        f"device: cpu\ndtype: float32\nblock_size: {BLOCK}\nmax_num_seqs: 8\nmax_num_batched_tokens: 2048\n"
+        f"cpu_kv_cache_gib: 0.25\nenforce_eager: true\nlog_level: INFO\nliveness_timeout_s: {LIVENESS_S}\n"
+        "server:\n  shutdown_grace_s: 4\n"
+    )
+    s = launch(tmp, "dp", config, "--data-parallel-size", "2")
+    try:
+        wait_ready(s)
+        yield s
+    finally:
+        kill(s)
+
+
+def complete(url: str, prompt: list[int], max_tokens: int, pin: int | None = None) -> httpx.Response:
+    headers = {"X-Data-Parallel-Rank": str(pin)} if pin is not None else {}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "skip_special_tokens": False}
+    return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+
+
+def replica_metric(url: str, name: str) -> dict[int, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {int(r): float(v) for r, v in re.findall(rf'^{name}{{replica="(\d+)"}} (\S+)$', text, re.M)}
+
+
+def test_greedy_on_both_replicas_equals_hf(server: Server):
+    model = default_model_dir()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (1, 40, 7, 100, 17, 64)]
+    with torch.no_grad():
+        want = [hf_greedy(hf, p, 8) for p in prompts]
+    before = replica_metric(server.url, "rtp_replica_routed_requests")
+    # Half routed, half pinned to replica 1, all at once so both replicas batch.
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda ip: complete(server.url, ip[1], 8, 1 if ip[0] % 2 else None),
+                                  enumerate(prompts)))
+    tok = AutoTokenizer.from_pretrained(model)
+    for r, w in zip(responses, want):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tok.decode(w)
+    after = replica_metric(server.url, "rtp_replica_routed_requests")
+    assert after[1] - before.get(1, 0) >= 3 and sum(after.values()) - sum(before.values()) == len(prompts)
+
+
+def test_pins_out_of_range_or_malformed_are_400(server: Server):
+    for pin in ("2", "x"):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
+                       headers={"X-Data-Parallel-Rank": pin}, timeout=30)
+        assert r.status_code == 400 and ("data_parallel_rank" in r.text or "Data-Parallel" in r.text), r.text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "data_parallel_rank": 1},
+                   timeout=30)
+    assert r.status_code == 200
+
+
+def conversations(seed: int) -> list[list[int]]:
+    """8 conversations x 4 requests, each conversation with its own 400-token prefix; shuffled."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(8):
+        prefix = [rng.randrange(3, 500) for _ in range(400)]
+        requests += [prefix + [rng.randrange(3, 500) for _ in range(24)] for _ in range(4)]
+    rng.shuffle(requests)
+    return requests
+
+
+def cached_fraction(url: str, seed: int) -> float:
+    """Send ``conversations(seed)`` one at a time: cached prompt tokens / prompt tokens."""
+    cached = total = 0
+    for prompt in conversations(seed):
+        r = complete(url, prompt, 2)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        cached += usage["prompt_tokens_details"]["cached_tokens"]
+        total += usage["prompt_tokens"]
+    return cached / total
+
+
+def test_cache_aware_routing_serves_conversations_from_the_cache(server: Server):
+    fraction = cached_fraction(server.url, seed=5)
+    # Ideal: 3 of each conversation's 4 requests reuse its 400-token prefix, 3 * 400 / (4 * 424) = 0.71;
+    # round-robin or random routing gives about half of that.
+    assert fraction >= 0.65, fraction
+
+
+def test_a_shared_prefix_load_spreads_over_both_replicas(server: Server):
+    before = replica_metric(server.url, "rtp_replica_routed_requests")
+    prefix = list(range(10, 210))
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda i: complete(server.url, prefix + [300 + i], 24), range(36)))
+    assert all(r.status_code == 200 for r in responses)
+    after = replica_metric(server.url, "rtp_replica_routed_requests")
+    spread = [after[r] - before.get(r, 0) for r in (0, 1)]
+    assert min(spread) >= 6, spread  # neither replica starves while the other holds the prefix
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_replica_under_load_answers_every_client_and_the_server_exits(server: Server):
+    pids = rank_pids(server.proc.pid)
+    assert sorted(pids) == [0, 1]
+    clients = 12
+    results: list[dict] = [{} for _ in range(clients)]
+    threads = [threading.Thread(target=read_stream, args=(server.url, {"prompt": f"Story {i}:", "max_tokens": 1900,
+                                                                      "ignore_eos": True, "stream": True}, results[i]))
+               for i in range(clients)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(bool(r.get("started")) for r in results) < 8:
+        assert time.monotonic() < deadline, "the requests did not start streaming"
+        time.sleep(0.05)
+    os.kill(pids[1], signal.SIGKILL)  # replica 1's only rank
+    t0 = time.monotonic()
+    stop = threading.Event()
+    late: list[str] = []
+    health: list[tuple[int, dict]] = []
+    probes = [threading.Thread(target=late_requests, args=(server.url, stop, late)),
+              threading.Thread(target=health_probe, args=(server.url, stop, health))]
+    for t in probes:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, t0 + LIVENESS_S + 20 - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), server.text()[-4000:]
+    rc = server.proc.wait(30)
+    elapsed = time.monotonic() - t0
+    stop.set()
+    for t in probes:
+        t.join(60)
+    cause = f"rank 1 (pid {pids[1]})"
+    for i, r in enumerate(results):  # every stream ended: finished, or with an error event naming the rank
+        assert r["done"] or r["error"], (i, r)
+        assert r["finish"] == "length" or cause in str(r["error"]), (i, r)
+    for status, body in health:
+        assert status == 200 or (status == 503 and cause in body["reason"]), (status, body)
+    assert all(o.startswith("503:") and cause in o for o in late[:-1]), late
+    assert rc != 0
+    assert elapsed < LIVENESS_S + 15, f"exited after {elapsed:.1f} s"
+    assert not any(pid_alive(p) for p in pids.values())
+    assert shm_segments(pids[0]) == [] and shm_segments(pids[1]) == []
+    assert cause in server.text()
