@@ -9,13 +9,18 @@ small token budget makes the long ones prefill in chunks.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rtp.distributed.liveness import pid_alive
 from rtp.testing import default_model_dir
+from tests.e2e.test_faults import LIVENESS_S, Run, config_file, segments_of
 from tests.utils import hf_greedy, torchrun
 
 LENGTHS = [1, 150, 7, 33, 64, 2, 100, 17, 129]
@@ -56,3 +61,30 @@ def test_data_parallel_generate_matches_hf_in_input_order(workload, tp):
               re.findall(r"\[rank(\d+)\] INFO rtp.runtime.coordinator: generated (\d+) requests", proc.stderr)}
     assert counts == {0: (len(LENGTHS) + 1) // 2, tp: len(LENGTHS) // 2}, proc.stderr[-3000:]
     assert "replica 1: shutdown" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_rank_of_another_replica_ends_the_whole_run(tmp_path):
+    # DP = 2 x TP = 2; rank 3 is replica 1's worker: every rank's watchdog (all replicas) sees it go.
+    prompts = tmp_path / "long.jsonl"
+    line = {"prompt": "Once upon a time", "max_tokens": 1900, "ignore_eos": True, "temperature": 0.0}
+    prompts.write_text((json.dumps(line) + "\n") * 8)
+    config = config_file(tmp_path, liveness_timeout_s=LIVENESS_S)
+    run = Run(4, "launch/generate.py", "--prompts-file", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+              "--config", str(config), "--data-parallel-size", "2")
+    try:
+        run.wait_for("generate:")
+        pids = run.rank_pids()
+        assert sorted(pids) == [0, 1, 2, 3]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        os.kill(pids[3], signal.SIGKILL)
+        rc = run.wait(timeout=LIVENESS_S + 30)
+        assert time.monotonic() - t0 < LIVENESS_S + 10, "the whole run should end within the liveness bound"
+        assert rc != 0
+        assert re.search(rf"rank 3 \(pid {pids[3]}\) died", run.output), run.output[-3000:]
+        assert not any(pid_alive(p) for p in pids.values()), "orphan rank processes"
+        assert not any(segments_of(p) for p in pids.values()), "a shared-memory segment was left behind"
+    finally:
+        run.kill()
