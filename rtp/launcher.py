@@ -48,6 +48,8 @@ def ranks_to_start(module: str, args: argparse.Namespace) -> int:
     nproc = nproc or (config.parallel.tensor_parallel_size or 1) * dp
     if nproc % dp:
         raise RtpError(f"--nproc-per-node {nproc} is not a multiple of --data-parallel-size {dp}")
+    if dp > 1 and module == COMMANDS["serve"] and config.server.api_processes == 0:
+        raise RtpError("--data-parallel-size > 1 needs API frontend processes: --api-server-count >= 1, not 0")
     if nproc < 1:
         raise RtpError(f"--nproc-per-node must be >= 1, got {nproc}")
     return nproc
