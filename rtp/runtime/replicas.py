@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from rtp.errors import RequestError
+from rtp.errors import RequestError, RtpError
 from rtp.log import get_logger
 from rtp.outputs import RequestOutput
 from rtp.sampling import SamplingParams
@@ -50,6 +50,9 @@ class ReplicaResult:
 
     outputs: list[RequestOutput] = field(default_factory=list)
     error: str | None = None
+    """A prompt refused (RequestError's message, naming its index in the caller's batch)."""
+    failed: str | None = None
+    """The replica's engine failed otherwise (the exception, in one line)."""
 
 
 def split_batch(prompts: list, params: list[SamplingParams], num_replicas: int) -> list[ReplicaBatch]:
@@ -69,6 +72,9 @@ def run_share(runtime: Runtime, share: ReplicaBatch, use_tqdm: bool) -> ReplicaR
         return ReplicaResult(runtime.generate_local(share.prompts, share.params, use_tqdm, share.indices))
     except RequestError as e:
         return ReplicaResult(error=str(e))
+    except Exception as e:  # noqa: BLE001 - reported by rank 0; every coordinator still joins the gather
+        logger.exception("replica %d failed its share", runtime.dp_rank)
+        return ReplicaResult(failed=f"{type(e).__name__}: {e}")
 
 
 class ReplicaGroup:
@@ -86,8 +92,10 @@ class ReplicaGroup:
         results: list[ReplicaResult | None] = [None] * self.size
         dist.gather_object(mine, results, group_dst=0, group=self.group)
         out: list[RequestOutput | None] = [None] * len(prompts)
-        for share, result in zip(shares, results):
+        for replica, (share, result) in enumerate(zip(shares, results)):
             assert result is not None
+            if result.failed is not None:
+                raise RtpError(f"data-parallel replica {replica} failed: {result.failed}")
             if result.error is not None:
                 raise RequestError(result.error)
             for i, o in zip(share.indices, result.outputs):

@@ -88,3 +88,17 @@ def test_a_killed_rank_of_another_replica_ends_the_whole_run(tmp_path):
         assert not any(segments_of(p) for p in pids.values()), "a shared-memory segment was left behind"
     finally:
         run.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_prompt_refused_by_another_replica_names_its_line(workload):
+    root, _ = workload
+    bad = root / "bad.jsonl"
+    lines = [{"prompt_token_ids": [5] * n, "max_tokens": 4} for n in (3, 4, 5)] + [{"prompt_token_ids": [5] * 5000}]
+    bad.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # Line 4 (index 3) is replica 1's share; its refusal reaches rank 0 and names the line of the file.
+    proc = torchrun("launch/generate.py", 2, "--config", str(root / "dp.yaml"), "--data-parallel-size", "2",
+                    "--prompts-file", str(bad), "--output", str(root / "bad_out.jsonl"), check=False)
+    assert proc.returncode != 0
+    assert f"{bad}:4:" in proc.stdout + proc.stderr, proc.stderr[-3000:]
