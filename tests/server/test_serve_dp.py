@@ -14,6 +14,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +29,7 @@ from rtp.distributed.liveness import pid_alive
 from rtp.testing import default_model_dir
 from tests.server.test_serve_e2e import Server, kill, launch, read_stream, shm_segments, wait_ready
 from tests.server.test_serve_faults import health_probe, late_requests
-from tests.utils import hf_greedy, rank_pids
+from tests.utils import REPO, hf_greedy, rank_pids
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +67,8 @@ def replica_metric(url: str, name: str) -> dict[int, float]:
     return {int(r): float(v) for r, v in re.findall(rf'^{name}{{replica="(\d+)"}} (\S+)$', text, re.M)}
 
 
-def test_greedy_on_both_replicas_equals_hf(server: Server):
+def check_greedy_on_both_replicas(server: Server) -> None:
+    """Mixed prompts, half pinned to replica 1, all at once: every text equals HF's greedy one."""
     model = default_model_dir()
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(3)
@@ -83,6 +86,36 @@ def test_greedy_on_both_replicas_equals_hf(server: Server):
         assert r.json()["choices"][0]["text"] == tok.decode(w)
     after = replica_metric(server.url, "rtp_replica_routed_requests")
     assert after[1] - before.get(1, 0) >= 3 and sum(after.values()) - sum(before.values()) == len(prompts)
+
+
+def test_greedy_on_both_replicas_equals_hf(server: Server):
+    check_greedy_on_both_replicas(server)
+
+
+@pytest.mark.timeout(300)
+def test_dp2_tp2_greedy_equals_hf_and_sigterm_stops_every_replica(tmp_path):
+    config = tmp_path / "dp_tp.yaml"
+    config.write_text(f"model: {default_model_dir()}\ndevice: cpu\ndtype: float32\nblock_size: {BLOCK}\n"
+                      "cpu_kv_cache_gib: 0.25\nenforce_eager: true\nlog_level: INFO\nserver:\n  shutdown_grace_s: 4\n")
+    log = tmp_path / "dp_tp.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "launch/serve.py",
+           "--config", str(config), "--port", "0", "--data-parallel-size", "2", "--tensor-parallel-size", "2"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    s = Server(proc, log)
+    try:
+        wait_ready(s)
+        pids = rank_pids(proc.pid)
+        assert sorted(pids) == [0, 1, 2, 3]
+        check_greedy_on_both_replicas(s)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) == 0 or "stopped by SIGTERM" in s.text() or "got signal: 15" in s.text()
+        assert s.text().count("rtp.runtime.coordinator: shut down") == 2, s.text()[-3000:]
+        assert not any(pid_alive(p) for p in pids.values())
+        assert not any(shm_segments(p) for p in pids.values())
+    finally:
+        kill(s)
 
 
 def test_pins_out_of_range_or_malformed_are_400(server: Server):
