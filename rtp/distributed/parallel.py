@@ -291,9 +291,11 @@ class ParallelState:
         still uses the connection can abort in gloo's threads at exit. A dead
         peer only costs the timeout.
         """
-        if self.world_size > 1 and dist.is_initialized():
+        # A replica view of one rank still belongs to a world of several: its groups go too (left to
+        # the interpreter's exit, gloo's teardown can block on a lost peer with no watchdog to end it).
+        if (self.world_size > 1 or self.global_rank is not None) and dist.is_initialized():
             try:
-                if barrier:
+                if barrier and self.world_size > 1:
                     dist.monitored_barrier(self.cpu_group, timeout=datetime.timedelta(seconds=barrier_timeout_s))
             except RuntimeError as e:
                 logger.debug("no barrier before teardown: %s", e)

@@ -196,7 +196,10 @@ def test_a_killed_replica_under_load_answers_every_client_and_the_server_exits(s
     for t in threads:
         t.join(max(0.0, t0 + LIVENESS_S + 20 - time.monotonic()))
     assert not any(t.is_alive() for t in threads), server.text()[-4000:]
-    rc = server.proc.wait(30)
+    try:
+        rc = server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not exit:\n{server.text()[-5000:]}")
     elapsed = time.monotonic() - t0
     stop.set()
     for t in probes:
@@ -204,10 +207,14 @@ def test_a_killed_replica_under_load_answers_every_client_and_the_server_exits(s
     cause = f"rank 1 (pid {pids[1]})"
     for i, r in enumerate(results):  # every stream ended: finished, or with an error event naming the rank
         assert r["done"] or r["error"], (i, r)
-        assert r["finish"] == "length" or cause in str(r["error"]), (i, r)
+        assert r["finish"] == "length" or cause in str(r["error"]), (i, r, server.text()[-4000:])
     for status, body in health:
         assert status == 200 or (status == 503 and cause in body["reason"]), (status, body)
-    assert all(o.startswith("503:") and cause in o for o in late[:-1]), late
+    # New requests: served by replica 0 until the loss is noticed (a fraction of a second), then 503 naming
+    # the cause, then nothing listens; none hangs.
+    refused = [o for o in late[:-1] if o != "200"]
+    assert all(o.startswith("503:") and cause in o for o in refused), late
+    assert late and late[-1] not in ("timeout", "200"), late
     assert rc != 0
     assert elapsed < LIVENESS_S + 15, f"exited after {elapsed:.1f} s"
     assert not any(pid_alive(p) for p in pids.values())
