@@ -133,14 +133,14 @@ class DraftModelProposer:
             if not chunks:
                 break
             wanted = [start + len(toks) == lengths[b] for b, start, toks in chunks]
-            tokens = iter(self._forward(chunks, tables, wanted))
+            tokens = iter(self._forward(chunks, tables, wanted, seqs))
             for (b, start, toks), want in zip(chunks, wanted):
                 pos[b] = start + len(toks)
                 if want:
                     drafts[b].append(next(tokens))
         for i in range(1, max(rooms)):
             chunks = [(b, lengths[b] + i - 1, [drafts[b][-1]]) for b in range(len(seqs)) if rooms[b] > i]
-            for (b, _, _), tok in zip(chunks, self._forward(chunks, tables, [True] * len(chunks))):
+            for (b, _, _), tok in zip(chunks, self._forward(chunks, tables, [True] * len(chunks), seqs)):
                 drafts[b].append(tok)
         for seq, n in zip(seqs, lengths):
             # Known tokens in real blocks have their draft KV now; draft positions never count.
@@ -148,8 +148,9 @@ class DraftModelProposer:
         return drafts
 
     def _forward(self, chunks: list[tuple[int, int, list[int]]], tables: list[np.ndarray],
-                 wanted: list[bool]) -> list[int]:
-        """One draft forward pass over ``chunks`` (writing their KV); the argmax after each wanted chunk."""
+                 wanted: list[bool], seqs: list[Sequence]) -> list[int]:
+        """One draft forward pass over ``chunks`` (writing their KV); the argmax after each wanted chunk,
+        among the request's ``allowed_token_ids`` when it has them (other drafts would be rejected)."""
         bs, dev = self.block_size, self.device
         q = np.array([len(toks) for _, _, toks in chunks], dtype=np.int64)  # [B]
         start = np.array([s for _, s, _ in chunks], dtype=np.int64)  # [B]
@@ -179,4 +180,12 @@ class DraftModelProposer:
             return []
         logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(dev)])  # [R, vocab]
         assert logits is not None, "an unsharded draft always has its logits"
+        owners = [b for (b, _, _), want in zip(chunks, wanted) if want]  # [R] batch row of each logits row
+        for r, b in enumerate(owners):
+            allowed = seqs[b].params.allowed_token_ids
+            if allowed is not None:
+                keep = torch.tensor(allowed, device=logits.device)
+                masked = torch.full_like(logits[r], float("-inf"))
+                masked[keep] = logits[r, keep]
+                logits[r] = masked
         return logits.argmax(dim=-1).tolist()
