@@ -17,9 +17,10 @@ that is not a point mass) would need ``q`` itself in the verifier, for no gain i
 
 KV cache. The draft has its own paged cache (its own layers' tensors, its own few KV bytes per
 block) indexed by the target's block ids: a sequence's ``block_table`` on rank 0 addresses both. It
-holds ``num_blocks`` blocks like the target's, plus ``scratch`` blocks per batch row for the draft
-positions past the sequence's allocated blocks (the scheduler allocates those only after the
-proposal). Per sequence the proposer keeps ``_computed[seq_id]``, the positions whose draft KV it has
+holds ``num_blocks`` blocks like the target's, plus ``scratch = ceil(k / block_size) + 1`` blocks per
+drafting sequence (at most ``disable_by_batch_size`` of them) for the draft positions past the
+sequence's allocated blocks (the scheduler allocates those only after the proposal; with flash-attn's
+256-token blocks that is 2 blocks of 256 per drafting sequence). Per sequence the proposer keeps ``_computed[seq_id]``, the positions whose draft KV it has
 written itself for the sequence's current blocks. Each proposal first catches up on positions
 ``[_computed, L)`` (``L`` known tokens: the prompt on its first draft, the accepted tokens since its
 last one), then runs ``k - 1`` one-token steps. Afterwards only positions below ``L`` in real blocks
@@ -62,9 +63,10 @@ class DraftModelProposer:
     """Greedy drafts from a small Qwen3 on rank 0 (see the module docstring)."""
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, *, block_size: int,
-                 num_blocks: int, max_num_seqs: int, k: int, max_positions: int, max_pass_tokens: int) -> None:
+                 num_blocks: int, max_batch: int, k: int, max_positions: int, max_pass_tokens: int) -> None:
         """Load the draft from ``model_dir`` and give it a cache of the target's ``num_blocks`` blocks of
-        ``block_size`` (plus scratch); a catch-up forward pass computes at most ``max_pass_tokens`` tokens."""
+        ``block_size`` plus scratch blocks for ``max_batch`` drafting sequences; a catch-up forward pass
+        computes at most ``max_pass_tokens`` tokens."""
         self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
         self.max_pass_tokens = max(1, max_pass_tokens)
         self.model, _ = load_model(model_dir, ParallelState.single(device), dtype, max_positions)
@@ -74,7 +76,8 @@ class DraftModelProposer:
             attn.backend = backend
         # Draft positions L .. L + k - 2 may lie past the allocated blocks (which cover >= L - 1 positions).
         self.scratch = -(-k // block_size) + 1
-        total = num_blocks + max_num_seqs * self.scratch
+        self.max_batch = max_batch
+        total = num_blocks + max_batch * self.scratch
         need = bytes_per_block(layers, block_size, dtype) * total
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -95,8 +98,10 @@ class DraftModelProposer:
         check_draft_model(spec, model_dir, runner.ps.tp_size)
         assert spec.model is not None and spec.num_speculative_tokens is not None
         k = spec.num_speculative_tokens
+        # The controller drafts for at most disable_by_batch_size sequences at once: scratch rows for those.
+        max_batch = min(config.scheduler.max_num_seqs, spec.disable_by_batch_size or config.scheduler.max_num_seqs)
         return cls(Path(spec.model).expanduser(), runner.ps.device, runner.dtype, block_size=runner.block_size,
-                   num_blocks=runner.num_blocks, max_num_seqs=config.scheduler.max_num_seqs, k=k,
+                   num_blocks=runner.num_blocks, max_batch=max_batch, k=k,
                    max_positions=runner.max_model_len + k, max_pass_tokens=config.scheduler.max_num_batched_tokens)
 
     def num_computed(self, seq_id: int) -> int:
@@ -113,6 +118,7 @@ class DraftModelProposer:
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
         """``rooms[i]`` greedy draft tokens for each decoding sequence ``seqs[i]``."""
         bs = self.block_size
+        assert len(seqs) <= self.max_batch, (len(seqs), self.max_batch)
         tables = [np.array(s.block_table + [self.num_blocks + b * self.scratch + j for j in range(self.scratch)],
                            dtype=np.int64) for b, s in enumerate(seqs)]
         lengths = [len(s.token_ids) for s in seqs]
