@@ -20,8 +20,9 @@ block) indexed by the target's block ids: a sequence's ``block_table`` on rank 0
 holds ``num_blocks`` blocks like the target's, plus ``scratch = ceil(k / block_size) + 1`` blocks per
 drafting sequence (at most ``disable_by_batch_size`` of them) for the draft positions past the
 sequence's allocated blocks (the scheduler allocates those only after the proposal; with flash-attn's
-256-token blocks that is 2 blocks of 256 per drafting sequence). Per sequence the proposer keeps ``_computed[seq_id]``, the positions whose draft KV it has
-written itself for the sequence's current blocks. Each proposal first catches up on positions
+256-token blocks that is 2 blocks of 256 per drafting sequence). Per sequence the proposer keeps
+``_computed[seq_id]``, the positions whose draft KV it has written itself for the sequence's current
+blocks. Each proposal first catches up on positions
 ``[_computed, L)`` (``L`` known tokens: the prompt on its first draft, the accepted tokens since its
 last one), then runs ``k - 1`` one-token steps. Afterwards only positions below ``L`` in real blocks
 count as computed: the drafts' own KV (rejected or not) is recomputed next time, over the
