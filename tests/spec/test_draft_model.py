@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,7 @@ from rtp.spec.draft_model import DraftModelProposer
 from rtp.testing import TinyQwen3Spec, default_model_dir, make_tiny_qwen3
 from tests.spec.drafts import noisy_draft, small_draft
 from tests.spec.test_spec_engine import make_engine, run
-from tests.utils import hf_greedy
+from tests.utils import REPO, hf_greedy
 
 K = 3
 MAX_TOKENS = 48
@@ -174,3 +176,19 @@ def test_draft_model_config_errors_name_the_key(tmp_path: Path, text: str, words
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_make_layer_draft_keeps_the_first_layers(target, tmp_path) -> None:
+    """scripts/make_layer_draft.py: the cut checkpoint computes what the target's first layer computes."""
+    out = tmp_path / "cut"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_layer_draft.py"), str(target), str(out),
+                    "--layers", "1"], check=True, capture_output=True)
+    check_draft_model(draft_config(out), target, 1)  # same vocabulary and tokenizer
+    cut = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    full = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    assert cut.config.num_hidden_layers == 1 < full.config.num_hidden_layers
+    full.model.layers = full.model.layers[:1]
+    full.config.num_hidden_layers = 1
+    ids = torch.tensor([[5, 17, 99, 3, 250]])
+    with torch.no_grad():
+        torch.testing.assert_close(cut(ids).logits, full(ids).logits)
