@@ -439,8 +439,9 @@ def test_replace_settings_keeps_what_is_not_overridden() -> None:
 
 @pytest.mark.parametrize(("spec", "words"), [
     ("{method: eagle3, num_speculative_tokens: 3}", "speculative_config.method='eagle3' is invalid: expected one of "
-     "ngram ('eagle3' is not implemented yet)"),
-    ("{method: draft_model, num_speculative_tokens: 3, model: /m}", "'draft_model' is not implemented yet"),
+     "ngram, draft_model ('eagle3' is not implemented yet)"),
+    ("{method: draft_model, num_speculative_tokens: 3}", "model=None is invalid: expected a draft checkpoint "
+     "folder path"),
     ("{method: medusa, num_speculative_tokens: 3}", "speculative_config.method='medusa' is invalid: expected one of "
      "ngram, draft_model, eagle3 or null"),
     ("{method: ngram, num_speculative_tokens: 0}", "speculative_config.num_speculative_tokens=0 is invalid"),

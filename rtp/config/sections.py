@@ -196,9 +196,9 @@ class ServerConfig(Section):
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
-"""Methods ``speculative_config.method`` accepts (vLLM's names); only "ngram" runs yet."""
+"""Methods ``speculative_config.method`` accepts (vLLM's names); "ngram" and "draft_model" run yet."""
 
-IMPLEMENTED_SPECULATIVE_METHODS = ("ngram",)
+IMPLEMENTED_SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -210,8 +210,8 @@ class SpeculativeConfig(Section):
     flat: ClassVar[bool] = False  # always under `speculative_config:`
 
     method: str | None = setting(None, choice(*SPECULATIVE_METHODS, nullable=True))
-    """"ngram" (prompt lookup over prompt + output), "draft_model" or "eagle3" (not implemented yet), or
-    None: no speculation."""
+    """"ngram" (prompt lookup over prompt + output), "draft_model" (a small Qwen3 with the target's
+    tokenizer), "eagle3" (not implemented yet), or None: no speculation."""
     num_speculative_tokens: int | None = setting(None, integer(1, 64, nullable=True))
     """Most draft tokens per sequence and step, in [1, 64]; required with a method."""
     prompt_lookup_min: int | None = setting(None, integer(1, 64, nullable=True))
@@ -220,9 +220,11 @@ class SpeculativeConfig(Section):
     prompt_lookup_max: int | None = setting(None, integer(1, 64, nullable=True))
     """ngram: longest suffix matched, in [prompt_lookup_min, 64]; None: max(prompt_lookup_min, 5)."""
     model: str | None = setting(None, text("a checkpoint folder path", nullable=True))
-    """draft_model / eagle3: the draft checkpoint (not implemented yet)."""
+    """draft_model: the draft checkpoint folder (same vocabulary and tokenizer as the target); required
+    with it."""
     draft_tensor_parallel_size: int | None = setting(None, integer(1, nullable=True))
-    """draft_model: ranks the draft runs on, 1 or the target's (not implemented yet)."""
+    """draft_model: ranks the draft runs on; None or 1: rank 0 alone (the only one implemented yet; the
+    target's TP size fails at start as not implemented, any other value as invalid)."""
     disable_by_batch_size: int | None = setting(16, integer(1, nullable=True))
     """No drafts in a step while more than this many sequences run (verifying k drafts costs k + 1 query
     tokens per sequence, which a large batch pays for without gaining latency), >= 1; None: never."""
@@ -240,6 +242,8 @@ class SpeculativeConfig(Section):
                               + f" ('{method}' is not implemented yet)")
         if values["num_speculative_tokens"] is None:
             return "num_speculative_tokens", f"an integer in [1, 64] with {key_of('method')}={method!r}"
+        if method == "draft_model" and values["model"] is None:
+            return "model", f"a draft checkpoint folder path with {key_of('method')}={method!r}"
         lo, hi = values["prompt_lookup_min"], values["prompt_lookup_max"]
         if lo is not None and hi is not None and lo > hi:
             return "prompt_lookup_max", f"an integer >= {key_of('prompt_lookup_min')}={lo}"

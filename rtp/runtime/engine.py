@@ -42,6 +42,7 @@ from rtp.runtime.output_processor import OutputProcessor, RequestState, SampleSt
 from rtp.runtime.sampler import Sampler
 from rtp.sampling import SamplingParams
 from rtp.spec.controller import SpecController
+from rtp.spec.proposer import build_proposer
 from rtp.spec.sampling import Runs, sample_runs
 from rtp.spec.verify import supports_drafts
 
@@ -94,7 +95,8 @@ class Engine:
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed)
         spec = config.speculative_config
-        self.spec = SpecController(spec, self.max_model_len) if spec.enabled else None
+        self.spec = (SpecController(spec, self.max_model_len, build_proposer(config, runner, model_dir))
+                     if spec.enabled else None)
         """Speculative decoding's draft policy and counters; None when it is off."""
         self._spec_logged = time.monotonic()
         self.outputs = OutputProcessor(self.scheduler.finish, self._release_id)  # owned by the stepping thread

@@ -42,6 +42,7 @@ from rtp.runtime.fault_injection import StepDelay
 from rtp.runtime.model_runner import ModelRunner
 from rtp.runtime.step_transport import StepTransport
 from rtp.runtime.worker import WorkerExit, run_worker
+from rtp.spec.draft_check import check_draft_model
 
 logger = get_logger(__name__)
 
@@ -50,7 +51,7 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
     """Bring up this rank. Rank 0 returns its Runtime; other ranks serve and exit the process."""
     ps = ParallelState.from_env(config.parallel.device, timeout_s=max(config.liveness.timeout_s, 60.0))
     setup_logging(ps.rank, config.log_level)
-    resolve_tp_size(config, ps.world_size)
+    check_draft_model(config.speculative_config, model_dir, resolve_tp_size(config, ps.world_size))
     step_delay = StepDelay.from_env()
     pids = _gather_pids(ps)
     heartbeat, watchdog = _start_liveness(config, ps, pids)
