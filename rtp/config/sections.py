@@ -99,7 +99,8 @@ class ParallelConfig(Section):
     and the LM head. Pick it to span nodes: one hidden-state tensor crosses each stage boundary per step."""
     pipeline_layer_partition: tuple[int, ...] | None = setting(None, int_list(1, nullable=True))
     """Layers of each pipeline stage, first stage first (one entry >= 1 per stage, summing to the model's
-    layer count); None: an even split, the remainder going to the middle stages, then the first."""
+    layer count); None: an even split, the remainder going to the middle stages, then the first. Not read
+    with one stage."""
     device: str = setting("auto", choice("auto", "cpu", "cuda"))
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
     expert_parallel: bool = setting(False, BOOL)
@@ -114,7 +115,7 @@ class ParallelConfig(Section):
     @classmethod
     def joint_rule(cls, values: Mapping[str, Any], key_of: Callable[[str], str]) -> tuple[str, str] | None:
         partition, pp = values["pipeline_layer_partition"], values["pipeline_parallel_size"]
-        if partition is not None and len(partition) != pp:
+        if partition is not None and pp > 1 and len(partition) != pp:
             return "pipeline_layer_partition", f"one entry per stage ({key_of('pipeline_parallel_size')}={pp})"
         return None
 

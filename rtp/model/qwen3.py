@@ -212,9 +212,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head: ParallelLMHead | None = None
         if self.model.last:
             # A tied head on a stage without the embedding owns the weight and loads the embedding's tensor.
-            shared = spec.tie_word_embeddings and self.model.embed_tokens is not None
-            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps, tied=shared)
-            if shared:
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps, tied=spec.tie_word_embeddings)
+            if spec.tie_word_embeddings and self.model.embed_tokens is not None:
                 assert self.model.embed_tokens is not None
                 self.lm_head.weight = self.model.embed_tokens.weight
 
