@@ -101,6 +101,10 @@ class ParallelConfig(Section):
     """Layers of each pipeline stage, first stage first (one entry >= 1 per stage, summing to the model's
     layer count); None: an even split, the remainder going to the middle stages, then the first. Not read
     with one stage."""
+    pipeline_steps_in_flight: int | None = setting(None, integer(1, nullable=True))
+    """With pipeline stages: most steps rank 0 keeps in flight, each over its own requests (a request in
+    flight is scheduled again once its step's tokens are back), >= 1; None means pipeline_parallel_size,
+    so every stage has work; 1 runs one step at a time. Speculative decoding always runs one at a time."""
     device: str = setting("auto", choice("auto", "cpu", "cuda"))
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
     expert_parallel: bool = setting(False, BOOL)

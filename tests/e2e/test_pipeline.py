@@ -1,7 +1,8 @@
 """Pipeline parallelism end to end: greedy equals HF token for token at PP=2 x TP=1, PP=2 x TP=2 (a
 3-layer model: an uneven split, TP above the KV head count), PP=4 x TP=1, dense and MoE, with chunked
 prefill and preemption; and the features that live on rank 0 (penalties, logprobs, prompt logprobs,
-n > 1, grammars) on a pipelined run.
+n > 1, grammars) on a pipelined run. Several steps are in flight (over disjoint requests) except
+in the case that sets ``pipeline_steps_in_flight: 1``.
 
 One torchrun launch per topology and model; 4 ranks on 2 cores are slow, so the models are tiny.
 """
@@ -27,7 +28,7 @@ CASES = [
      "pipeline_parallel_size: 2\ntensor_parallel_size: 2\n", True),
     ("pp2xtp1-dense-partition-untied", TinyQwen3Spec(num_hidden_layers=4, vocab_size=509, num_key_value_heads=4,
                                                      tie_word_embeddings=False, num_shards=2, seed=1), 2,
-     "pipeline_parallel_size: 2\npipeline_layer_partition: [3, 1]\n", True),
+     "pipeline_parallel_size: 2\npipeline_layer_partition: [3, 1]\npipeline_steps_in_flight: 1\n", True),
     ("pp2xtp2-moe-3layers-ep", MOE_SHAPES["moe_dense_layer"], 4,
      "pipeline_parallel_size: 2\ntensor_parallel_size: 2\nexpert_parallel: true\n", False),
     ("pp4xtp1-moe-5layers", TinyQwen3MoeSpec(num_hidden_layers=5, mlp_only_layers=(2,), seed=6), 4,
@@ -60,6 +61,8 @@ def test_pipeline_matches_hf(case, tmp_path):
         for i, (p, got) in enumerate(zip(prompts, res["tokens"], strict=True)):
             assert got == hf_greedy(hf, p, 10), f"{name}: prompt {i} (length {len(p)})"
         assert res["preemptions"] > 0, "the small cache should have forced preemption"
+        # Several steps in flight over disjoint requests, unless the case runs one at a time.
+        assert (res["overlapped"] > 0) == ("pipeline_steps_in_flight: 1" not in parallel), res["overlapped"]
         if features:
             _check_features(hf, prompts, res)
 

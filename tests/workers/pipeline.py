@@ -19,6 +19,7 @@ runtime = rtp.init(config, log_level="WARNING")
 greedy = rtp.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 result: dict = {"tokens": [o.token_ids for o in rtp.generate(prompts, greedy, use_tqdm=False)]}
 result["preemptions"] = runtime.engine.stats()["num_preemptions"]
+result["overlapped"] = runtime.engine.stats().get("pipeline_overlapped_steps", 0)
 if features:
     p0, p1 = prompts[1], prompts[2]
     rep = rtp.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5)
