@@ -142,7 +142,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ steps
 
-    def schedule(self, drafts: dict[int, list[int]] | None = None, busy: set[int] | None = None) -> ScheduleResult:
+    def schedule(self, drafts: dict[int, list[int]] | None = None, busy: set[int] | None = None,
+                 max_seqs: int | None = None) -> ScheduleResult:
         """Plan the next step. The plan is empty (no tokens) when nothing can run.
 
         ``drafts`` (speculative decoding) maps ids of decoding running sequences to draft tokens to
@@ -153,16 +154,19 @@ class Scheduler:
 
         ``busy`` (pipeline stages, several steps in flight): ids of the running sequences of the steps
         not postprocessed yet. They are neither scheduled nor preempted; results are postprocessed in
-        the order they were scheduled.
+        the order they were scheduled. ``max_seqs`` caps the sequences of this step (a share of the
+        requests per step in flight).
         """
         if self._awaiting_postprocess and busy is None:
             raise RuntimeError("schedule() called again before postprocess() of the previous step")
         cfg = self.config
-        running, budget, logit_rows, preempted = self._schedule_running(drafts, busy)
+        seats = cfg.max_num_seqs if max_seqs is None else max_seqs
+        running, budget, logit_rows, preempted = self._schedule_running(drafts, busy, seats)
         admitted = ScheduleResult()
         if not preempted:  # after a preemption the cache is short: admitting now would only thrash
-            budget, logit_rows = self._admit(self._forked, admitted, budget, logit_rows)
-            self._admit(self.waiting, admitted, budget, logit_rows)
+            seats -= len(running.seqs)
+            budget, logit_rows = self._admit(self._forked, admitted, budget, logit_rows, seats)
+            self._admit(self.waiting, admitted, budget, logit_rows, seats)
         plan = self.plans.build(admitted.seqs, admitted.num_new_tokens, running.seqs, running.num_new_tokens)
         result = ScheduleResult(
             plan,
@@ -253,8 +257,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _schedule_running(self, drafts: dict[int, list[int]] | None = None, busy: set[int] | None = None
-                          ) -> tuple[ScheduleResult, int, int, bool]:
+    def _schedule_running(self, drafts: dict[int, list[int]] | None = None, busy: set[int] | None = None,
+                          seats: int | None = None) -> tuple[ScheduleResult, int, int, bool]:
         """Step 1 of the policy: the running sequences' chunks (a decode with drafts: 1 + its drafts).
 
         Returns their shares, the token budget and prompt-logit rows left, and whether anything was preempted.
@@ -268,7 +272,7 @@ class Scheduler:
             running.drafts = []
         preempted = False
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or (seats is not None and len(running.seqs) >= seats):
                 break
             if seq.status is not SequenceStatus.RUNNING or (busy and seq.seq_id in busy):
                 continue  # preempted earlier in this loop, or in a step still in flight
@@ -309,7 +313,7 @@ class Scheduler:
         return running, budget, logit_rows, preempted
 
     def _admit(
-        self, queue: deque[Sequence], admitted: ScheduleResult, budget: int, logit_rows: int
+        self, queue: deque[Sequence], admitted: ScheduleResult, budget: int, logit_rows: int, seats: int | None = None
     ) -> tuple[int, int]:
         """Step 2 of the policy for one queue (forks or waiting); returns the budget and logit rows left.
 
@@ -317,7 +321,8 @@ class Scheduler:
         starts after its prefix-cache hit.
         """
         cfg, bm = self.config, self.block_manager
-        while queue and len(self.running) < cfg.max_num_seqs and budget > 0:
+        while (queue and len(self.running) < cfg.max_num_seqs and budget > 0
+               and (seats is None or len(admitted.seqs) < seats)):
             seq = queue[0]
             if seq.is_fork:
                 cached, start = None, seq.num_computed_tokens

@@ -9,7 +9,8 @@ postprocessed and output exactly as a step of the plain engine loop, so the
 tokens are the same ones (greedy: token for token).
 
 A request in flight is neither scheduled nor preempted until its step returns
-(the scheduler's ``busy`` set), and an abort of one waits for its step. Every
+(the scheduler's ``busy`` set), and an abort of one waits for its step. Each
+step takes at most an even share (1 / depth) of the live sequences. Every
 stage runs the plans in the order rank 0 sent them, so a block freed by a later
 plan is only reused after the earlier plans that wrote it have run there.
 """
@@ -41,7 +42,10 @@ class InFlightSteps:
         changed = e.drain_inbox()
         submitted = False
         if len(self.queue) < self.depth:
-            result = e.scheduler.schedule(busy=e.busy)
+            sched = e.scheduler
+            # An even share of the live sequences per step in flight, so the steps keep every stage busy.
+            live = len(sched.running) + sched.stats.num_waiting
+            result = sched.schedule(busy=e.busy, max_seqs=max(1, -(-live // self.depth)))
             plan = result.plan
             if plan.new_seqs or plan.cached_seqs or plan.freed_seq_ids:
                 e.transport(plan)
