@@ -52,3 +52,13 @@ def test_pipeline_settings_are_validated(tmp_path):
     assert load_config(None, pipeline_layer_partition="2,2", pipeline_parallel_size=2).parallel \
         .pipeline_layer_partition == (2, 2)
     assert RtpConfig().parallel.pipeline_parallel_size == 1
+
+
+@pytest.mark.parametrize("name", ["2x8xH100-pp", "2x8xH200-qwen3-235b-a22b-pp"])
+def test_shipped_pipeline_files_are_tp8_x_pp2_on_16_gpus(name):
+    from pathlib import Path
+
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml")
+    assert config.parallel.pipeline_parallel_size == 2 and config.parallel.device == "cuda"
+    assert resolve_tp_size(config, 16) == 8
+    assert [len(r) for r in stage_layers(94, 2, config.parallel.pipeline_layer_partition)] == [47, 47]
