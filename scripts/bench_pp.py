@@ -3,6 +3,7 @@
     python scripts/bench_pp.py                 # the 40M Qwen3 shape of scripts/bench.py, 16 requests
     python scripts/bench_pp.py --quick         # a smaller model and workload (a smoke run)
     python scripts/bench_pp.py --partition 6,2 --tp1   # stages balanced for the LM head; also one rank
+    python scripts/bench_pp.py --workload prefill       # long prompts: chunked prefill keeps both stages busy
 
 Three runs, one after the other, each a torchrun of its own (one thread per rank), on the same
 checkpoint and requests, greedy with EOS ignored:
@@ -14,8 +15,9 @@ checkpoint and requests, greedy with EOS ignored:
 It prints the generate() time (best of ``--repeat``) of both PP runs and their ratio (the
 pipelining gain; > 1 means steps in flight are faster), checks that the runs give the same
 tokens, and, per decode step (a step with no prompt token), the bytes that cross the stage
-boundary at PP=2 (the hidden states rank 0 sends to stage 1, measured; plus the logits rows the
-last stage returns to rank 0) against the bytes each TP=4 rank all-reduces (measured at every
+boundary at PP=2 (the hidden states rank 0 sends to stage 1, measured; plus the rows the
+last stage returns to rank 0, which holds the LM head: the final hidden states of the sampled
+rows) against the bytes each TP=4 rank all-reduces (measured at every
 ``ParallelState.all_reduce`` call; a ring all-reduce puts about 2 (TP-1)/TP of that on each
 rank's link) and the logits it gathers.
 Absolute times on a shared machine mean little: compare the ratio of one run.
@@ -53,9 +55,14 @@ def build_model(quick: bool) -> str:
     return str(path)
 
 
-def workload(n: int, vocab: int, quick: bool) -> list[tuple[list[int], int]]:
+def workload(n: int, vocab: int, quick: bool, kind: str = "decode") -> list[tuple[list[int], int]]:
+    """``n`` (prompt, output length) pairs: decode-heavy (short prompts, 48 tokens out) or prefill-heavy
+    (long prompts, 2 tokens out: chunked prefill of several prompts at once)."""
     rng = random.Random(0)
-    lo, hi, out = (8, 32, 16) if quick else (32, 96, 48)
+    if kind == "prefill":
+        lo, hi, out = (64, 128, 2) if quick else (192, 320, 2)
+    else:
+        lo, hi, out = (8, 32, 16) if quick else (32, 96, 48)
     return [([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], out) for _ in range(n)]
 
 
@@ -67,7 +74,8 @@ def child(args: argparse.Namespace) -> None:
 
     reqs = json.loads(Path(args.requests).read_text())
     overrides: dict = dict(model=args.model, device="cpu", dtype="float32", log_level="WARNING",
-                           enable_prefix_caching=False, max_num_seqs=256, enforce_eager=True)
+                           enable_prefix_caching=False, max_num_seqs=256, enforce_eager=True,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
     if args.pp > 1:
         overrides.update(pipeline_parallel_size=args.pp, pipeline_steps_in_flight=args.in_flight,
                          pipeline_layer_partition=args.partition)
@@ -115,7 +123,7 @@ def child(args: argparse.Namespace) -> None:
     rtp.shutdown()
     Path(args.result).write_text(json.dumps(dict(
         seconds=seconds, tokens=sum(len(o.token_ids) for o in outs), outputs=[list(o.token_ids) for o in outs],
-        overlapped=overlapped, vocab=runner.spec.vocab_size, **counts)))
+        overlapped=overlapped, vocab=runner.spec.vocab_size, hidden=runner.spec.hidden_size, **counts)))
 
 
 # --------------------------------------------------------------------------- parent
@@ -126,7 +134,8 @@ def run(name: str, nproc: int, args: argparse.Namespace, requests: Path, *extra:
         result = Path(f.name)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(__file__).resolve()), "--child", "--model", args.model, "--requests", str(requests),
-           "--result", str(result), "--repeat", str(args.repeat), *extra]
+           "--result", str(result), "--repeat", str(args.repeat),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     try:
@@ -146,11 +155,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF Qwen3 folder (default: a random 40M Qwen3, built on first use)")
     ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--workload", choices=["decode", "prefill"], default="decode",
+                    help="decode: short prompts, 48 tokens out; prefill: 192-320-token prompts, 2 tokens out")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256, help="query tokens per step")
     ap.add_argument("--quick", action="store_true", help="a smaller model and shorter requests")
     ap.add_argument("--no-tp", action="store_true", help="skip the TP=4 run (its bytes)")
     ap.add_argument("--partition", help="pipeline_layer_partition of the PP runs, e.g. 6,2 (default: even split)")
     ap.add_argument("--repeat", type=int, default=3, help="timed generate() runs per engine (the best counts)")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--wait-quiet", type=float, default=120.0, help="max seconds to wait for an idle machine")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--requests", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -162,10 +175,15 @@ def main() -> None:
         child(args)
         return
     args.model = args.model or build_model(args.quick)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench import cpu_busy_fraction, wait_quiet
+
+    wait_quiet(args.wait_quiet)
+    print(f"machine busy before the runs: {cpu_busy_fraction():.0%} of {os.cpu_count()} cores")
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
         requests = Path(tmp) / "requests.json"
-        reqs = workload(args.num_requests, min(vocab, 4000), args.quick)
+        reqs = workload(args.num_requests, min(vocab, 4000), args.quick, args.workload)
         requests.write_text(json.dumps(reqs))
         print(f"{len(reqs)} requests, prompts {min(len(p) for p, _ in reqs)}-{max(len(p) for p, _ in reqs)} tokens, "
               f"{reqs[0][1]} output tokens each; model {args.model}")
@@ -189,7 +207,8 @@ def main() -> None:
     print(f"per decode step ({rows:.1f} sequences on average, one step at a time):")
     print(f"  PP=2 stage boundary, hidden states (measured): {per_step(single, 'boundary'):10.0f} B "
           f"({per_step(single, 'boundary') / rows:.0f} B per sequence)")
-    print(f"  PP=2 logits rows back to rank 0:               {rows * single['vocab'] * 4:10.0f} B")
+    print(f"  PP=2 final hidden rows back to rank 0:         {rows * single['hidden'] * 4:10.0f} B "
+          f"(logits rows would be {rows * single['vocab'] * 4:.0f} B)")
     if tp is not None:
         ar, ga, tp_rows = per_step(tp, "allreduce"), per_step(tp, "gather"), per_step(tp, "decode_rows")
         print(f"  TP=4 all-reduce payload per rank (measured):   {ar:10.0f} B "

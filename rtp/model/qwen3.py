@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from rtp.distributed.parallel import ParallelState
@@ -183,7 +184,7 @@ class Qwen3ForCausalLM(nn.Module):
     """Each rank's slice of Qwen3. ``forward`` gives hidden states; ``compute_logits`` gathers on rank 0.
 
     ``layers``: with pipeline parallelism, the decoder layers this rank's stage holds (all by default);
-    only the last stage has the LM head (a tied head then loads the embedding's tensor).
+    rank 0 alone then has the LM head, whole: it samples, from the last stage's final hidden states.
 
     ``quant``: the format of a quantized checkpoint (:mod:`rtp.model.quant`); the attention and
     MLP projections (and the experts) load its tensors and are dequantized once after loading.
@@ -209,13 +210,19 @@ class Qwen3ForCausalLM(nn.Module):
         inv_freq, scale = rope_inv_freq(hf_config, spec.head_dim)
         rotary = RotaryEmbedding(spec.head_dim, max_positions, inv_freq, scale)
         self.model = Qwen3Model(spec, ps, rotary, lambda i: self.make_mlp(i, ps), self.linear_method, layers)
+        self.ps = ps
         self.lm_head: ParallelLMHead | None = None
-        if self.model.last:
-            # A tied head on a stage without the embedding owns the weight and loads the embedding's tensor.
-            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps, tied=spec.tie_word_embeddings)
-            if spec.tie_word_embeddings and self.model.embed_tokens is not None:
-                assert self.model.embed_tokens is not None
-                self.lm_head.weight = self.model.embed_tokens.weight
+        tied = spec.tie_word_embeddings
+        if ps.pp_size == 1:
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps, tied=tied)
+        elif ps.rank == 0:
+            # Pipeline stages: rank 0 samples, so it holds the whole head (unsharded) and the last stage sends
+            # it final hidden states, not logits. Tied, it is the embedding (gathered after loading if sharded).
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ParallelState.single(ps.device),
+                                          tied=tied)
+        if self.lm_head is not None and tied and ps.tp_size == 1:
+            assert self.model.embed_tokens is not None, "the LM head is on the first stage"
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, layer: int, ps: ParallelState) -> nn.Module:
         """The feed-forward block of layer ``layer`` (Qwen3-MoE overrides this)."""
@@ -226,7 +233,7 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        assert self.lm_head is not None, "only the last pipeline stage computes logits"
+        assert self.lm_head is not None, "with pipeline stages only rank 0 computes logits"
         return self.lm_head.compute_logits(hidden)
 
     def owns_layer(self, layer: int) -> bool:
@@ -242,10 +249,23 @@ class Qwen3ForCausalLM(nn.Module):
         if m is not None:
             return self.owns_layer(int(m[1]))
         if name.startswith("model.embed_tokens."):
-            return self.model.first or (self.model.last and self.spec.tie_word_embeddings)
-        if name.startswith(("model.norm.", "lm_head.")):
+            return self.model.first
+        if name.startswith("model.norm."):
             return self.model.last
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
         return True
+
+    def gather_tied_head(self) -> None:
+        """Pipeline stages, tied embeddings, TP > 1 on the first stage: rank 0's whole LM head is the
+        embedding's vocab shards gathered over the first stage's TP group (collective on that stage)."""
+        ps, embed = self.ps, self.model.embed_tokens
+        if ps.pp_size == 1 or not self.spec.tie_word_embeddings or ps.tp_size == 1 or embed is None:
+            return
+        parts = [torch.empty_like(embed.weight) for _ in range(ps.tp_size)]
+        dist.all_gather(parts, embed.weight.data.contiguous(), group=ps.tp_group)  # [V_local, H] each
+        if self.lm_head is not None:
+            self.lm_head.weight.data.copy_(torch.cat(parts)[: self.spec.vocab_size])
 
     def attention_layers(self) -> list[PagedAttention]:
         return [m for m in self.modules() if isinstance(m, PagedAttention)]
@@ -284,8 +304,6 @@ class Qwen3ForCausalLM(nn.Module):
 
     def param_for(self, name: str) -> tuple[str, object]:
         """Map a checkpoint tensor name to (parameter name, shard id)."""
-        if name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
-            return "lm_head.weight", None  # a tied head on the last stage, without the embedding
         for frag, (target, shard) in self.stacked.items():
             if f".{frag}." in name:
                 return name.replace(f".{frag}.", f".{target}."), shard

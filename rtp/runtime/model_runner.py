@@ -25,9 +25,10 @@ from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rtp.model.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSpec
 from rtp.runtime.batch import BatchInputs, BatchMirror
 from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
-from rtp.runtime.stage_output import PromptLogits, StageOutputs, StepOutput
+from rtp.runtime.stage_output import PromptLogits, RowPlan, StageOutputs, StepOutput
 
-__all__ = ["ModelRunner", "PromptLogits", "StepOutput", "load_model", "logit_rows", "resolve_dtype"]
+__all__ = ["ModelRunner", "PromptLogits", "RowPlan", "StepOutput", "load_model", "logit_rows", "resolve_dtype",
+           "row_plan"]
 
 logger = get_logger(__name__)
 
@@ -59,6 +60,31 @@ def _flat_positions(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
     owner = np.repeat(np.arange(len(counts)), counts)  # [R] chunk of each row
     group_start = np.add.accumulate(counts) - counts  # [B] first row of each chunk's group
     return (ends - counts)[owner] + np.arange(int(counts.sum())) - group_start[owner]
+
+
+def row_plan(batch: BatchInputs, prompt_logit_seq_ids: list[int]) -> RowPlan | None:
+    """Which flat positions of ``batch`` go through the LM head and what their rows are; None when none do."""
+    if not prompt_logit_seq_ids:
+        # The common case: one row per sampled sequence, so the rows are the sample rows.
+        if len(batch.sample_indices) == 0:
+            return None
+        return RowPlan(np.asarray(batch.sample_indices, dtype=np.int64))
+    counts, sampled = logit_rows(batch, prompt_logit_seq_ids)
+    if not counts.any():
+        return None
+    ends = batch.cu_seqlens_q[1:].astype(np.int64)  # [B]
+    group_end = np.add.accumulate(counts)  # [B] one past each sequence's last row
+    sample_rows = (group_end - 1)[sampled]  # [S]
+    if batch.draft_counts is not None:  # the verification rows of drafting sequences too
+        n = 1 + batch.draft_counts[sampled]  # [S']
+        sample_rows = _flat_positions(group_end[sampled], n)
+    wanted = set(prompt_logit_seq_ids)
+    prompts = []
+    for b, seq_id in enumerate(batch.seq_ids):
+        if seq_id in wanted:
+            first = int(ends[b]) - batch.q_lens[b]  # flat index of the chunk's first token
+            prompts.append((seq_id, int(batch.positions[first]), int(group_end[b] - counts[b]), int(group_end[b])))
+    return RowPlan(_flat_positions(ends, counts), sample_rows, prompts)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -118,6 +144,7 @@ def load_model(
         else:
             model = Qwen3ForCausalLM(spec, ps, hf_config, positions, quant, layers)
     report = load_weights(model, model_dir, show_progress=ps.rank == 0)
+    model.gather_tied_head()  # pipeline stages: rank 0's whole tied head from the embedding's shards
     if quant is not None:
         logger.info("dequantized the %s checkpoint's projections to %s at load", quant.name, dtype)
     if quantization == "int8":
@@ -171,7 +198,7 @@ class ModelRunner:
         # Pipeline stages: hidden states to and from the neighbouring stages, and the last stage's
         # outputs to rank 0 (None without pipeline parallelism).
         self.link = StageLink(ps) if ps.pp_size > 1 else None
-        self.outputs = StageOutputs(ps, self.spec.vocab_size) if ps.pp_size > 1 else None
+        self.outputs = StageOutputs(ps) if ps.pp_size > 1 else None
         self.graphs: CudaGraphs | None = None
         capturable = self.attn_backend in ("flash", "triton")  # both decode paths capturable
         if capturable and not model_config.enforce_eager and ps.pp_size > 1:
@@ -200,7 +227,7 @@ class ModelRunner:
         first = self.ps.is_first_stage
         stage_in = None if first else torch.zeros(n, self.spec.hidden_size, dtype=self.dtype, device=self.ps.device)
         hidden = self.model(ids, pos, meta, stage_in)
-        if self.ps.is_last_stage:
+        if self.model.lm_head is not None:
             # Rank 0 samples up to max_num_seqs rows: count their logits too.
             self.model.compute_logits(hidden[: min(n, self.max_num_seqs)])
         torch.cuda.synchronize(self.ps.device)
@@ -233,7 +260,7 @@ class ModelRunner:
         """Run one step. On rank 0 the StepOutput holds the step's float32 logits; elsewhere it is empty.
 
         With pipeline stages rank 0 runs the first stage's part and then waits for the last stage's
-        outputs (see :meth:`submit` and :meth:`collect` to keep several steps in flight).
+        rows (see :meth:`submit` and :meth:`collect` to keep several steps in flight).
         """
         out = self.submit(plan)
         return self.collect() if self.outputs is not None and self.ps.rank == 0 else out
@@ -241,10 +268,12 @@ class ModelRunner:
     @torch.inference_mode()
     def submit(self, plan: StepPlan) -> StepOutput:
         """Run this rank's stage of one step: receive the previous stage's hidden states, run the layers, send
-        them on. The last stage computes the logits (its TP rank 0 sends them to rank 0 with pipeline stages)."""
+        them on. Without stages the StepOutput holds the logits on rank 0; with stages the last stage's TP
+        rank 0 sends rank 0 the final hidden states of the rows to compute logits of (see :meth:`collect`)."""
         batch = self.mirror.apply(plan)
+        rows = row_plan(batch, plan.prompt_logprob_seq_ids) if batch.num_tokens else None
         if self.outputs is not None and self.ps.rank == 0:
-            self.outputs.expect(batch.num_tokens > 0)
+            self.outputs.expect(rows)
         if batch.num_tokens == 0:
             return StepOutput()
         ids, pos, meta = self.to_device(batch)
@@ -259,49 +288,27 @@ class ModelRunner:
         if self.link is not None and not self.ps.is_last_stage:
             self.link.send_hidden(hidden)
             return StepOutput()
-        out = self._outputs(plan, batch, hidden)
-        if self.outputs is not None and self.ps.tp_rank == 0:
-            self.outputs.send(out)  # the last stage's TP rank 0 holds the gathered logits
+        if rows is None:
+            # a prefill chunk that does not reach its prompt's end (the plan is the same on
+            # every rank, so all skip the gather together)
             return StepOutput()
-        return out
+        if self.outputs is not None:
+            if self.ps.tp_rank == 0:  # every TP rank holds the same final hidden states
+                self.outputs.send(hidden[torch.from_numpy(rows.positions).to(hidden.device)])
+            return StepOutput()
+        logits = self._logits(hidden, rows.positions)
+        return StepOutput() if logits is None else rows.output(logits)
 
     def collect(self) -> StepOutput:
-        """Rank 0 with pipeline stages: the last stage's outputs of the oldest step submitted and not collected."""
+        """Rank 0 with pipeline stages: the outputs of the oldest step submitted and not collected, from the
+        final hidden states the last stage sends (rank 0 holds the LM head)."""
         assert self.outputs is not None, "collect() is for pipeline parallelism"
-        return self.outputs.recv()
-
-    def _outputs(self, plan: StepPlan, batch: BatchInputs, hidden: torch.Tensor) -> StepOutput:
-        """The step's logits rows (sampled and prompt-logprob rows) from the final hidden states [T, hidden]."""
-        if not plan.prompt_logprob_seq_ids:
-            # The common case: one row per sampled sequence, so the rows are the sample rows.
-            if len(batch.sample_indices) == 0:
-                # a prefill chunk that does not reach its prompt's end (the plan is the same on
-                # every rank, so all skip the gather together)
-                return StepOutput()
-            logits = self._logits(hidden, batch.sample_indices)
-            return StepOutput(sample_logits=logits)
-        counts, sampled = logit_rows(batch, plan.prompt_logprob_seq_ids)
-        if not counts.any():
+        rows, hidden = self.outputs.recv(self.spec.hidden_size, self.dtype)  # [R, hidden]
+        if rows is None or hidden is None:
             return StepOutput()
-        ends = batch.cu_seqlens_q[1:].astype(np.int64)  # [B]
-        logits = self._logits(hidden, _flat_positions(ends, counts))  # [R, vocab]
-        if logits is None:
-            return StepOutput()
-        group_end = np.add.accumulate(counts)  # [B] one past each sequence's last row
-        sample_rows = (group_end - 1)[sampled]  # [S]
-        if batch.draft_counts is not None:  # the verification rows of drafting sequences too
-            n = 1 + batch.draft_counts[sampled]  # [S']
-            sample_rows = _flat_positions(group_end[sampled], n)
-        out = StepOutput()
-        if len(sample_rows):
-            out.sample_logits = logits[torch.from_numpy(sample_rows).to(logits.device)]
-        wanted = set(plan.prompt_logprob_seq_ids)
-        for b, seq_id in enumerate(batch.seq_ids):
-            if seq_id in wanted:
-                first = int(ends[b]) - batch.q_lens[b]  # flat index of the chunk's first token
-                rows = logits[int(group_end[b] - counts[b]) : int(group_end[b])]
-                out.prompt_logits.append(PromptLogits(seq_id, int(batch.positions[first]), rows))
-        return out
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None, "rank 0's LM head is not sharded with pipeline stages"
+        return rows.output(logits.float())
 
     def _logits(self, hidden: torch.Tensor, positions: np.ndarray) -> torch.Tensor | None:
         """float32 logits of the flat ``positions`` ([R] int64) on rank 0: [R, vocab]; None elsewhere.

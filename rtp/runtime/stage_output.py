@@ -1,12 +1,12 @@
-"""What a step's forward pass hands rank 0 (:class:`StepOutput`), and how the last pipeline stage sends it there.
+"""What a step's forward pass hands rank 0 (:class:`StepOutput`), and how the last pipeline stage gets it there.
 
-With pipeline stages the last stage computes the logits (gathered on its TP rank 0) and rank 0
-samples: the sampler's state (penalties, grammars, seeds, forks for n > 1) stays on rank 0, and
-the last stage sends rank 0 only the logits rows the step samples or reports as prompt logprobs.
-One message per step, in step order: a header ``[S, P]`` (int64), then ``[3P]`` (seq id, first
-position, rows of each prompt-logits chunk), then the ``[S, vocab]`` sample rows, then the
-prompt-logits rows concatenated. Sends are asynchronous, so the last stage can go on with its
-next step while rank 0 has not collected this one.
+With pipeline stages rank 0 samples, so the sampler's state (penalties, grammars, seeds, forks
+for n > 1) stays where it is without stages; and rank 0 holds the LM head (a full, unsharded
+copy), so the last stage sends it only the final hidden states of the rows the step samples or
+reports as prompt logprobs: ``[R, hidden]`` rather than ``[R, vocab]`` of logits (vocab / hidden is
+37 for Qwen3-235B). Both ends know R from the same plan (:class:`RowPlan`), so one tensor per step
+crosses, with no header. Sends are asynchronous: the last stage goes on with its next step while
+rank 0 has not collected this one.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,62 +48,60 @@ class StepOutput:
     """One entry per sequence of ``plan.prompt_logprob_seq_ids`` in the batch, in batch order."""
 
 
-class StageOutputs:
-    """The last stage's TP rank 0 sends each step's StepOutput to rank 0; rank 0 receives them in order."""
+@dataclass
+class RowPlan:
+    """Which flat positions of a step go through the LM head, and which logits rows are what."""
 
-    def __init__(self, ps: ParallelState, vocab_size: int) -> None:
-        self.ps, self.vocab = ps, vocab_size
+    positions: np.ndarray
+    """[R] int64 flat token positions whose logits are computed, ascending."""
+    sample_rows: np.ndarray | None = None
+    """Rows that are sampled, in batch order; None: every row is (the common case)."""
+    prompts: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(seq id, first position, first row, end row) of each prompt-logprob chunk, in batch order."""
+
+    def output(self, logits: torch.Tensor) -> StepOutput:
+        """The StepOutput of ``logits`` [R, vocab] float32, the rows of :attr:`positions`."""
+        if self.sample_rows is None:
+            return StepOutput(sample_logits=logits)
+        out = StepOutput()
+        if len(self.sample_rows):
+            out.sample_logits = logits[torch.from_numpy(self.sample_rows).to(logits.device)]
+        out.prompt_logits = [PromptLogits(seq_id, first, logits[start:end])
+                             for seq_id, first, start, end in self.prompts]
+        return out
+
+
+class StageOutputs:
+    """The last stage's TP rank 0 sends each step's final hidden rows to rank 0; rank 0 receives them in order."""
+
+    def __init__(self, ps: ParallelState) -> None:
+        self.ps = ps
         self.last_leader = ps.stage_rank(ps.pp_size - 1)
         self.bytes_sent = 0
+        """Bytes the last stage has sent rank 0, for benchmarks."""
         self._pending: list[tuple[dist.Work | None, torch.Tensor]] = []
-        self._expected: deque[bool] = deque()  # rank 0: per step submitted, whether the last stage sends outputs
+        self._expected: deque[RowPlan | None] = deque()  # rank 0: the rows of each step submitted
 
-    def expect(self, has_output: bool) -> None:
-        """Rank 0: a step was submitted; ``has_output`` False for a step without tokens (nothing is sent)."""
-        self._expected.append(has_output)
+    def expect(self, rows: RowPlan | None) -> None:
+        """Rank 0: a step was submitted; ``rows`` None for a step whose last stage sends nothing."""
+        self._expected.append(rows)
 
-    def _isend(self, t: torch.Tensor) -> None:
-        t = t.contiguous()
-        self._pending.append((dist.isend(t, 0, tag=_TAG), t))
-        self.bytes_sent += t.numel() * t.element_size()
-
-    def send(self, out: StepOutput) -> None:
-        """Send one step's outputs to rank 0 (the last stage's TP rank 0)."""
+    def send(self, hidden: torch.Tensor) -> None:
+        """Send one step's final hidden rows [R, hidden] to rank 0 (the last stage's TP rank 0)."""
         for work, _ in self._pending:
             if work is not None:
                 work.wait()
         self._pending.clear()
-        dev = self.ps.device
-        s = 0 if out.sample_logits is None else out.sample_logits.shape[0]
-        p = len(out.prompt_logits)
-        self._isend(torch.tensor([s, p], dtype=torch.int64, device=dev))
-        if p:
-            meta = [v for c in out.prompt_logits for v in (c.seq_id, c.first_pos, c.logits.shape[0])]
-            self._isend(torch.tensor(meta, dtype=torch.int64, device=dev))
-        if out.sample_logits is not None:
-            self._isend(out.sample_logits.float())
-        if p:
-            self._isend(torch.cat([c.logits for c in out.prompt_logits]).float())
+        t = hidden.contiguous()
+        self._pending.append((dist.isend(t, 0, tag=_TAG), t))
+        self.bytes_sent += t.numel() * t.element_size()
 
-    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=self.ps.device)
-        dist.recv(t, self.last_leader, tag=_TAG)
-        return t
-
-    def recv(self) -> StepOutput:
-        """Rank 0: the outputs of the oldest submitted step not received yet."""
+    def recv(self, hidden_size: int, dtype: torch.dtype) -> tuple[RowPlan | None, torch.Tensor | None]:
+        """Rank 0: the row plan and the final hidden rows [R, hidden] of the oldest step not received yet."""
         assert self._expected, "collect() without a submitted step"
-        if not self._expected.popleft():
-            return StepOutput()
-        s, p = (int(v) for v in self._recv((2,), torch.int64).tolist())
-        meta = self._recv((3 * p,), torch.int64).tolist() if p else []
-        out = StepOutput()
-        if s:
-            out.sample_logits = self._recv((s, self.vocab), torch.float32)
-        if p:
-            rows = self._recv((sum(meta[2::3]), self.vocab), torch.float32)
-            start = 0
-            for seq_id, first, n in zip(meta[0::3], meta[1::3], meta[2::3]):
-                out.prompt_logits.append(PromptLogits(seq_id, first, rows[start : start + n]))
-                start += n
-        return out
+        rows = self._expected.popleft()
+        if rows is None:
+            return None, None
+        t = torch.empty(len(rows.positions), hidden_size, dtype=dtype, device=self.ps.device)
+        dist.recv(t, self.last_leader, tag=_TAG)
+        return rows, t
