@@ -13,9 +13,9 @@ checkpoint and requests, greedy with EOS ignored:
 * TP=4, for its bytes only (4 ranks on a 2-core machine: its time means nothing here).
 
 It prints the generate() time (best of ``--repeat``) of both PP runs and their ratio (the
-pipelining gain; > 1 means steps in flight are faster), checks that the runs give the same
-tokens, and, per decode step (a step with no prompt token), the bytes that cross the stage
-boundary at PP=2 (the hidden states rank 0 sends to stage 1, measured; plus the rows the
+pipelining gain; > 1 means steps in flight are faster), checks that the PP runs give the same
+tokens (and one rank's, with ``--tp1``), and, per decode step (a step with no prompt token),
+the bytes that cross the stage boundary at PP=2 (the hidden states rank 0 sends to stage 1, measured; plus the rows the
 last stage returns to rank 0, which holds the LM head: the final hidden states of the sampled
 rows) against the bytes each TP=4 rank all-reduces (measured at every
 ``ParallelState.all_reduce`` call; a ring all-reduce puts about 2 (TP-1)/TP of that on each
@@ -201,8 +201,14 @@ def main() -> None:
         print(f"{'one rank (TP=1, PP=1)':26s} generate {one['seconds']:7.2f} s  "
               f"{one['tokens'] / one['seconds']:7.1f} tok/s")
     print(f"pipelining gain: {single['seconds'] / flight['seconds']:.2f}x (one at a time / in flight)")
-    same = flight["outputs"] == single["outputs"] and (tp is None or tp["outputs"] == flight["outputs"])
-    print(f"greedy outputs equal across the runs: {same}")
+    # PP adds no arithmetic of its own: its runs equal one rank token for token. TP=4 sums the all-reduced
+    # partial products in another order, so on random weights a near-tie may flip a token: shown, not checked.
+    runs = {"PP=2 one at a time": single, "one rank": one}
+    diff = [name for name, res in runs.items() if res is not None and res["outputs"] != flight["outputs"]]
+    same = not diff
+    print(f"greedy outputs equal across the PP runs and one rank: {same}" + (f" (differ: {diff})" if diff else ""))
+    if tp is not None:
+        print(f"TP=4 greedy outputs equal to PP=2's: {tp['outputs'] == flight['outputs']}")
     rows = per_step(single, "decode_rows")
     print(f"per decode step ({rows:.1f} sequences on average, one step at a time):")
     print(f"  PP=2 stage boundary, hidden states (measured): {per_step(single, 'boundary'):10.0f} B "
