@@ -95,11 +95,12 @@ class ParallelConfig(Section):
     ``pipeline_parallel_size`` (GPU topology files fix it)."""
     pipeline_parallel_size: int = setting(1, integer(1))
     """Number of pipeline stages, >= 1: stage ``s`` holds a contiguous range of layers on ranks
-    ``s*TP .. s*TP+TP-1`` (the world is TP x PP ranks); the first stage embeds, the last holds the final norm
-    and the LM head. Pick it to span nodes: one hidden-state tensor crosses each stage boundary per step."""
+    ``s*TP .. s*TP+TP-1`` (the world is TP x PP ranks); the first stage embeds, the last applies the final
+    norm, and rank 0 holds the whole LM head and samples. Pick it to span nodes: one hidden-state tensor
+    crosses each stage boundary per step."""
     pipeline_layer_partition: tuple[int, ...] | None = setting(None, int_list(1, nullable=True))
     """Layers of each pipeline stage, first stage first (one entry >= 1 per stage, summing to the model's
-    layer count); None: an even split, the remainder going to the middle stages, then the first. Not read
+    layer count); None: an even split, the remainder going to the middle stages, then the last. Not read
     with one stage."""
     pipeline_steps_in_flight: int | None = setting(None, integer(1, nullable=True))
     """With pipeline stages: most steps rank 0 keeps in flight, each over its own requests (a request in

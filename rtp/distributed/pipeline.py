@@ -26,8 +26,9 @@ def stage_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | Non
     """The contiguous layer range of each of ``pp_size`` stages.
 
     Without ``partition`` the split is even; the remainder goes one layer each to the middle
-    stages (last middle stage first), then to the first stage, and to the last stage only when
-    nothing else is left: the first stage also embeds and the last runs the final norm and the LM head.
+    stages (last middle stage first), then to the last stage, and to the first stage only when
+    nothing else is left: the first stage also embeds, and its rank 0 schedules, samples and runs
+    the LM head.
     """
     if partition is not None:
         if len(partition) != pp_size:
@@ -42,7 +43,7 @@ def stage_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | Non
             raise ConfigError(f"pipeline_parallel_size={pp_size} is larger than the model's {num_layers} layers: "
                               "every stage needs at least one layer")
         sizes = [num_layers // pp_size] * pp_size
-        order = list(range(pp_size - 2, 0, -1)) + [0, pp_size - 1]  # middle stages, then first, then last
+        order = list(range(pp_size - 2, 0, -1)) + [pp_size - 1, 0]  # middle stages, then last, then first
         for stage in order[: num_layers % pp_size]:
             sizes[stage] += 1
     ranges, start = [], 0

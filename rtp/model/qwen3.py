@@ -220,7 +220,8 @@ class Qwen3ForCausalLM(nn.Module):
             # it final hidden states, not logits. Tied, it is the embedding (gathered after loading if sharded).
             self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ParallelState.single(ps.device),
                                           tied=tied)
-        if self.lm_head is not None and tied and ps.tp_size == 1:
+        if self.lm_head is not None and tied and (ps.pp_size == 1 or ps.tp_size == 1):
+            # The same vocab rows on this rank (without stages: the same shard; rank 0's whole head at TP=1).
             assert self.model.embed_tokens is not None, "the LM head is on the first stage"
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -11,13 +11,13 @@ from rtp.errors import ConfigError
 
 @pytest.mark.parametrize(("layers", "pp", "sizes"), [
     (4, 2, [2, 2]),
-    (3, 2, [2, 1]),  # the remainder goes to the first stage before the last (which has the LM head)
+    (3, 2, [1, 2]),  # the remainder goes to the last stage before the first (embedding, LM head, rank 0)
     (5, 4, [1, 1, 2, 1]),  # middle stages first
-    (7, 4, [2, 2, 2, 1]),
+    (7, 4, [1, 2, 2, 2]),
     (94, 2, [47, 47]),
     (10, 1, [10]),
 ])
-def test_even_split_keeps_the_remainder_away_from_the_last_stage(layers, pp, sizes):
+def test_even_split_keeps_the_remainder_away_from_the_first_stage(layers, pp, sizes):
     ranges = stage_layers(layers, pp)
     assert [len(r) for r in ranges] == sizes
     assert ranges[0].start == 0 and ranges[-1].stop == layers
