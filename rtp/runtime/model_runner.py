@@ -1,4 +1,10 @@
-"""StepPlan -> tensors -> forward -> a StepOutput (logits) on rank 0. CUDA graphs for decode on GPU."""
+"""StepPlan -> tensors -> forward -> a StepOutput (logits) on rank 0. CUDA graphs for decode on GPU.
+
+With pipeline stages each rank runs its stage's layers: it receives the previous stage's hidden
+states, sends its own to the next stage (:mod:`rtp.distributed.pipeline`), and the last stage
+sends rank 0 the final hidden states of the rows to sample (:mod:`rtp.runtime.stage_output`);
+rank 0 turns them into logits with its whole LM head in :meth:`ModelRunner.collect`.
+"""
 
 from __future__ import annotations
 
