@@ -107,8 +107,9 @@ class Engine:
         self._live_ids: set[str] = set()  # ids submitted and not yet finished (any thread)
         self.busy: set[int] = set()
         """Ids of the sequences in steps still in flight (pipeline stages); empty otherwise."""
-        depth = config.parallel.pipeline_steps_in_flight or runner.ps.pp_size
-        self.in_flight = InFlightSteps(self, depth) if runner.ps.pp_size > 1 and depth > 1 and not self.spec else None
+        stages = config.parallel.pipeline_parallel_size
+        depth = config.parallel.pipeline_steps_in_flight or stages
+        self.in_flight = InFlightSteps(self, depth) if stages > 1 and depth > 1 and not self.spec else None
         """Pipeline stages: the steps in flight (None: one step at a time)."""
 
     # ---- submission (any thread) ----
