@@ -15,11 +15,12 @@ checkpoint and requests, greedy with EOS ignored:
 It prints the generate() time (best of ``--repeat``) of both PP runs and their ratio (the
 pipelining gain; > 1 means steps in flight are faster), checks that the PP runs give the same
 tokens (and one rank's, with ``--tp1``), and, per decode step (a step with no prompt token),
-the bytes that cross the stage boundary at PP=2 (the hidden states rank 0 sends to stage 1, measured; plus the rows the
-last stage returns to rank 0, which holds the LM head: the final hidden states of the sampled
-rows) against the bytes each TP=4 rank all-reduces (measured at every
+the bytes that cross the stage boundary at PP=2 (the hidden states rank 0 sends to stage 1,
+measured; plus the final hidden states of the sampled rows the last stage returns to rank 0,
+which holds the LM head) against the bytes each TP=4 rank all-reduces (measured at every
 ``ParallelState.all_reduce`` call; a ring all-reduce puts about 2 (TP-1)/TP of that on each
-rank's link) and the logits it gathers.
+rank's link) and the logits it gathers. Rank 0's stage also runs the LM head and the engine:
+give it fewer layers (``--partition 3,5`` for the default model) or it is the slower stage.
 Absolute times on a shared machine mean little: compare the ratio of one run.
 """
 
