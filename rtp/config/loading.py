@@ -220,17 +220,25 @@ def default_config_path() -> Path | None:
 
 
 def resolve_tp_size(config: RtpConfig, world_size: int) -> int:
-    """The tensor-parallel size of this run: ``tensor_parallel_size`` if set (it must equal world_size)."""
+    """The tensor-parallel size of this run: world_size / pipeline_parallel_size, and ``tensor_parallel_size``
+    if set must equal it."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world size {world_size!r} is invalid: expected an integer >= 1")
+    pp = config.parallel.pipeline_parallel_size
+    if world_size % pp:
+        raise ConfigError(
+            f"pipeline_parallel_size={pp} does not divide the {world_size} rank{'s' if world_size != 1 else ''} "
+            f"started by torchrun: start tensor_parallel_size x {pp} ranks"
+        )
     tp = config.parallel.tensor_parallel_size
     if tp is None:
-        return world_size
-    if tp != world_size:
+        return world_size // pp
+    if tp * pp != world_size:
+        stages = f" x pipeline_parallel_size {pp}" if pp > 1 else ""
         raise ConfigError(
-            f"tensor_parallel_size={tp} does not match the {world_size} rank{'s' if world_size != 1 else ''} "
+            f"tensor_parallel_size={tp}{stages} does not match the {world_size} rank{'s' if world_size != 1 else ''} "
             "started by torchrun: "
-            f"run `torchrun --nproc-per-node {tp} ...` "
-            f"or change tensor_parallel_size to {world_size} (or null)"
+            f"run `torchrun --nproc-per-node {tp * pp} ...` "
+            f"or change tensor_parallel_size to {world_size // pp} (or null)"
         )
     return tp

@@ -17,6 +17,7 @@ from rtp.config.rules import (
     BOOL,
     check_value,
     choice,
+    int_list,
     integer,
     number,
     power_of_two,
@@ -90,7 +91,21 @@ class ParallelConfig(Section):
     """How the ranks split the model, where they run, and the ring that carries their step plans."""
 
     tensor_parallel_size: int | None = setting(None, integer(1, nullable=True))
-    """Number of ranks a model is split over; None means torchrun's WORLD_SIZE (GPU topology files fix it)."""
+    """Number of ranks each pipeline stage's layers are split over; None means torchrun's WORLD_SIZE divided by
+    ``pipeline_parallel_size`` (GPU topology files fix it)."""
+    pipeline_parallel_size: int = setting(1, integer(1))
+    """Number of pipeline stages, >= 1: stage ``s`` holds a contiguous range of layers on ranks
+    ``s*TP .. s*TP+TP-1`` (the world is TP x PP ranks); the first stage embeds, the last applies the final
+    norm, and rank 0 holds the whole LM head and samples. Pick it to span nodes: one hidden-state tensor
+    crosses each stage boundary per step."""
+    pipeline_layer_partition: tuple[int, ...] | None = setting(None, int_list(1, nullable=True))
+    """Layers of each pipeline stage, first stage first (one entry >= 1 per stage, summing to the model's
+    layer count); None: an even split, the remainder going to the middle stages, then the last. Not read
+    with one stage."""
+    pipeline_steps_in_flight: int | None = setting(None, integer(1, nullable=True))
+    """With pipeline stages: most steps rank 0 keeps in flight, each over its own requests (a request in
+    flight is scheduled again once its step's tokens are back), >= 1; None means pipeline_parallel_size,
+    so every stage has work; 1 runs one step at a time. Speculative decoding always runs one at a time."""
     device: str = setting("auto", choice("auto", "cpu", "cuda"))
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
     expert_parallel: bool = setting(False, BOOL)
@@ -100,6 +115,14 @@ class ParallelConfig(Section):
     chunks."""
     shm_num_chunks: int = setting(4, integer(2))
     """Number of chunks in the shared-memory ring, >= 2."""
+
+
+    @classmethod
+    def joint_rule(cls, values: Mapping[str, Any], key_of: Callable[[str], str]) -> tuple[str, str] | None:
+        partition, pp = values["pipeline_layer_partition"], values["pipeline_parallel_size"]
+        if partition is not None and pp > 1 and len(partition) != pp:
+            return "pipeline_layer_partition", f"one entry per stage ({key_of('pipeline_parallel_size')}={pp})"
+        return None
 
 
 @dataclass(frozen=True)

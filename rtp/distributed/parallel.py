@@ -79,7 +79,9 @@ class ParallelState:
 
     ``tp_group`` carries tensor collectives (NCCL on GPU, gloo on CPU);
     ``cpu_group`` is always gloo and carries small control messages.
-    Tensor parallelism spans the whole world: ``tp_size == world_size``.
+    With ``pp_size`` pipeline stages the world is ``tp_size x pp_size`` ranks, TP innermost:
+    ``rank = pp_rank * tp_size + tp_rank``, and ``tp_group`` is this rank's stage. Without
+    pipeline parallelism tensor parallelism spans the whole world: ``tp_size == world_size``.
     """
 
     rank: int
@@ -98,6 +100,8 @@ class ParallelState:
     """gloo group of this node's ranks (several nodes only)."""
     leader_group: dist.ProcessGroup | None = None
     """gloo group of every node's leader (several nodes only): carries the step plans."""
+    pp_size: int = 1
+    """Pipeline stages; each holds a contiguous range of layers on ``tp_size`` ranks."""
 
     @property
     def num_nodes(self) -> int:
@@ -119,11 +123,28 @@ class ParallelState:
 
     @property
     def tp_rank(self) -> int:
-        return self.rank
+        return self.rank % self.tp_size
 
     @property
     def tp_size(self) -> int:
-        return self.world_size
+        return self.world_size // self.pp_size
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return self.rank // self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_rank(self, stage: int, tp_rank: int = 0) -> int:
+        """Global rank of TP rank ``tp_rank`` of pipeline stage ``stage``."""
+        return stage * self.tp_size + tp_rank
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelState:
@@ -131,17 +152,23 @@ class ParallelState:
         return cls(rank=0, world_size=1, local_rank=0, device=torch.device(device))
 
     @classmethod
-    def from_env(cls, device: str = "auto", timeout_s: float = 60.0) -> ParallelState:
+    def from_env(cls, device: str = "auto", timeout_s: float = 60.0, pp_size: int = 1) -> ParallelState:
         """Initialise torch.distributed from torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*.
 
         Without those variables this is a single-process world. ``device``:
         "auto" picks ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
+        ``pp_size`` pipeline stages split the world (it must divide WORLD_SIZE); each stage's
+        ranks get a TP group of their own.
         """
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            if pp_size != 1:
+                raise ConfigError(f"pipeline_parallel_size={pp_size} needs {pp_size} ranks or more: run under torchrun")
             return cls.single(resolve_device(device, 0))
         launcher_pid = os.getppid()  # first thing: the liveness watchdog compares it with later getppid()
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
+        if world_size % pp_size:
+            raise ConfigError(f"pipeline_parallel_size={pp_size} does not divide the world of {world_size} ranks")
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         dev = resolve_device(device, local_rank)
         if dev.type == "cuda":
@@ -151,15 +178,22 @@ class ParallelState:
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
         tp_group = dist.group.WORLD
+        if pp_size > 1:
+            tp = world_size // pp_size
+            for stage in range(pp_size):  # every rank creates every group, in the same order
+                group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timeout)
+                if rank // tp == stage:
+                    tp_group = group
         # A gloo group exists on GPU too, for control messages that must not
         # queue behind (or deadlock with) NCCL kernels.
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else tp_group
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
         # Who shares a node: torchrun's GROUP_RANK, cross-checked with the hostname.
         entries: list = [None] * world_size
         me = (socket.gethostname(), os.getpid(), int(os.environ.get("GROUP_RANK", 0)), local_rank)
         dist.all_gather_object(entries, me, group=cpu_group)
         topology = Topology.from_ranks(entries)
-        ps = cls(rank, world_size, local_rank, dev, tp_group, cpu_group, launcher_pid=launcher_pid, topology=topology)
+        ps = cls(rank, world_size, local_rank, dev, tp_group, cpu_group, launcher_pid=launcher_pid, topology=topology,
+                 pp_size=pp_size)
         if topology.num_nodes > 1:
             # Every rank creates every group, in the same order (torch.distributed requires it).
             for node in range(topology.num_nodes):
@@ -169,29 +203,31 @@ class ParallelState:
             leaders = new_relay_group(list(topology.leaders))
             if rank in topology.leaders:
                 ps.leader_group = leaders
-        logger.info("initialised %s world of %d ranks on %s (%d node%s)", backend, world_size, dev,
-                    topology.num_nodes, "s" if topology.num_nodes > 1 else "")
+        logger.info("initialised %s world of %d ranks on %s (%d node%s%s)", backend, world_size, dev,
+                    topology.num_nodes, "s" if topology.num_nodes > 1 else "",
+                    f", {pp_size} pipeline stages of TP {world_size // pp_size}" if pp_size > 1 else "")
         return ps
 
     # Collectives. With one rank they are no-ops, so layers need no special case.
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the TP group, in place; returns ``x``."""
-        if self.world_size > 1:
+        if self.tp_size > 1:
             if self.node_reduce is not None and x.device.type == "cpu":
                 return self.node_reduce.all_reduce(x)
             dist.all_reduce(x, group=self.tp_group)
         return x
 
     def gather_to_driver(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-        """Concatenate each rank's ``x`` along ``dim`` on rank 0; other ranks get None."""
-        if self.world_size == 1:
+        """Concatenate each TP rank's ``x`` along ``dim`` on the stage's TP rank 0 (rank 0 without pipeline
+        parallelism); other ranks get None."""
+        if self.tp_size == 1:
             return x
         if self.node_reduce is not None and x.device.type == "cpu":
             return self.node_reduce.gather(x, dim)
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.tp_group)
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(x, parts, dst=self.stage_rank(self.pp_rank), group=self.tp_group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
     def min_int(self, value: int) -> int:

@@ -49,7 +49,8 @@ logger = get_logger(__name__)
 
 def start(config: RtpConfig, model_dir: Path) -> Runtime:
     """Bring up this rank. Rank 0 returns its Runtime; other ranks serve and exit the process."""
-    ps = ParallelState.from_env(config.parallel.device, timeout_s=max(config.liveness.timeout_s, 60.0))
+    ps = ParallelState.from_env(config.parallel.device, timeout_s=max(config.liveness.timeout_s, 60.0),
+                                pp_size=config.parallel.pipeline_parallel_size)
     setup_logging(ps.rank, config.log_level)
     check_draft_model(config.speculative_config, model_dir, resolve_tp_size(config, ps.world_size))
     step_delay = StepDelay.from_env()
@@ -127,7 +128,9 @@ def _exit_at_startup(failure: Failure) -> None:
 
 def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int], heartbeat: Heartbeat,
            watchdog: Watchdog, step_delay: StepDelay | None) -> Runtime:
-    if ps.world_size > 1 and ps.num_nodes == 1 and ps.device.type == "cpu" and shm_allreduce.supported():
+    # (Pipeline stages: each stage's TP group runs its collectives on gloo; the segment spans the whole node.)
+    if (ps.world_size > 1 and ps.num_nodes == 1 and ps.pp_size == 1 and ps.device.type == "cpu"
+            and shm_allreduce.supported()):
         # Layers' all-reduces and the logits gather go through shared memory instead of gloo.
         # Lost peers fail a collective through the heartbeat and should_abort; the last-resort timeout
         # comes after the stuck-step bound, so a slow step is reported as stuck, with stacks.
