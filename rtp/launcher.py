@@ -5,9 +5,10 @@
 
 Each takes the flags of ``launch/serve.py`` / ``launch/generate.py`` (``rtp serve --help``: every
 config key, in vLLM's spelling where vLLM has the setting) plus ``--nproc-per-node``. The number
-of ranks is ``--nproc-per-node``, else ``--data-parallel-size`` x ``--tensor-parallel-size``, else the config's
-``tensor_parallel_size``, else 1. Every flag and the config are checked here, before any rank
-starts: a bad value fails with one line naming the flag (or the key). Then it runs
+of ranks is ``--nproc-per-node``, else ``--tensor-parallel-size`` (else the config's
+``tensor_parallel_size``, else 1) times ``--pipeline-parallel-size`` (or ``--data-parallel-size``). Every flag
+and the config are checked here, before any rank starts: a bad value fails with one line naming the flag (or the
+key). Then it runs
 ``torchrun --standalone --nproc-per-node N -m rtp.entrypoints.<command> ...`` through torch's own
 launcher API (``torch.distributed.run``): a free rendezvous port, the ranks are children of
 this process.
@@ -41,11 +42,15 @@ def ranks_to_start(module: str, args: argparse.Namespace) -> int:
     flags = ENGINE_FLAGS + (SERVER_FLAGS if module == COMMANDS["serve"] else ())
     config = load_config_from_args(args, flags)
     nproc, tp = args.nproc_per_node, args.parallel__tensor_parallel_size
-    dp = config.parallel.data_parallel_size
-    if nproc is not None and tp is not None and nproc != tp * dp:
-        raise RtpError(f"--nproc-per-node {nproc} and --tensor-parallel-size {tp} x --data-parallel-size {dp} "
-                       "disagree: give one of them")
-    nproc = nproc or (config.parallel.tensor_parallel_size or 1) * dp
+    pp, dp = config.parallel.pipeline_parallel_size, config.parallel.data_parallel_size
+    if pp > 1 and dp > 1:
+        raise RtpError("--pipeline-parallel-size with --data-parallel-size is not supported yet: use one of them")
+    split = pp * dp
+    if nproc is not None and tp is not None and nproc != tp * split:
+        times = f" x --pipeline-parallel-size {pp}" if pp > 1 else f" x --data-parallel-size {dp}" if dp > 1 else ""
+        raise RtpError(f"--nproc-per-node {nproc} and --tensor-parallel-size {tp}{times} disagree: "
+                       "give one of them")
+    nproc = nproc or (config.parallel.tensor_parallel_size or 1) * split
     if nproc % dp:
         raise RtpError(f"--nproc-per-node {nproc} is not a multiple of --data-parallel-size {dp}")
     if dp > 1 and module == COMMANDS["serve"] and config.server.api_processes == 0:
@@ -76,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = entry.build_parser()
     parser.prog = f"rtp {command}"
     parser.add_argument("--nproc-per-node", type=int, metavar="N",
-                        help="number of ranks (= DP x TP; default: --data-parallel-size x --tensor-parallel-size, "
-                             "else the config's, else 1)")
+                        help="number of ranks (= TP x PP, or DP x TP; default: --tensor-parallel-size (else the "
+                             "config's, else 1) x --pipeline-parallel-size or --data-parallel-size)")
     args = parser.parse_args(rest)  # bad flags fail here, before any rank starts
     if hasattr(entry, "resolve_args"):
         entry.resolve_args(parser, args)  # e.g. serve's positional MODEL

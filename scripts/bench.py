@@ -10,6 +10,9 @@
     python scripts/bench.py --preset qwen3-0.6b --no-hf --quantization none,int8   # rtp fp32 and rtp int8 weights
     python scripts/bench.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
                                                               # rtp (and vLLM) with speculative decoding
+    python scripts/bench.py --model rtp/assets/qwen3-tiny-shakespeare --num-requests 1 --output-len 160 --no-hf \
+        --speculative-config '{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 3}'
+                                                              # a draft model (scripts/make_layer_draft.py)
 
 Every engine runs in a child process of its own, one after the other (never two
 at once), on the same checkpoint and the same requests, in the same dtype, greedy
@@ -92,7 +95,8 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
     # Worker ranks never get here: they serve inside init() and exit.
     params = [rtp.SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for _, n in reqs]
     prompts = [p for p, _ in reqs]
-    rtp.generate(prompts[:2], [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2,
+    warm = prompts[:2]
+    rtp.generate(warm, [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * len(warm),
                  use_tqdm=False)  # warm-up
     before = rt.engine.stats()
     t0 = time.perf_counter()
@@ -158,7 +162,8 @@ def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> d
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, detokenize=False)
               for _, n in reqs]
-    llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)] * 2,
+    warm = prompts[:2]
+    llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)] * len(warm),
                  use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -309,6 +314,7 @@ def main() -> None:
     ap.add_argument("--model", help="HF Qwen3 or Qwen3-MoE folder (default: the --preset model, built on first use)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="40m")
     ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--output-len", type=int, help="every request's output length (default: the workload's mix)")
     ap.add_argument("--tp", default="1", help="comma-separated rtp TP sizes, e.g. 1,2 (TP>1 uses torchrun)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="cores for each engine")
     ap.add_argument("--hf-batch", type=int, default=8, help="HF generate() batch size (left-padded)")
@@ -342,6 +348,8 @@ def main() -> None:
     args.model = args.model or build_model(args.preset)
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     reqs = workload(args.num_requests, vocab, quick=args.quick, preset=shape)
+    if args.output_len:
+        reqs = [(p, args.output_len) for p, _ in reqs]
     prompt_tokens = sum(len(p) for p, _ in reqs)
     weight_bytes = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
 
@@ -413,8 +421,8 @@ def main() -> None:
                   f"accepted ({accepted / proposed:.0%}), mean acceptance length {1 + accepted / drafts:.2f}, "
                   f"accepted per position {per_pos}")
         elif args.speculative_config and name.startswith("rtp"):
-            print(f"{name} speculative decoding: no drafts (no n-gram matched, or the batch was above "
-                  "disable_by_batch_size)")
+            print(f"{name} speculative decoding: no drafts (no n-gram matched, drafts backed off, or the batch "
+                  "was above disable_by_batch_size)")
     for name, r in results.items():
         if not name.startswith("rtp"):
             continue

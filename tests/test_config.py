@@ -333,8 +333,11 @@ def test_data_parallel_size_splits_the_world() -> None:
     assert resolve_tp_size(RtpConfig(parallel=ParallelConfig(data_parallel_size=2)), 4) == 2
     config = RtpConfig(parallel=ParallelConfig(data_parallel_size=2, tensor_parallel_size=2))
     assert resolve_tp_size(config, 4) == 2
-    with pytest.raises(ConfigError, match="data_parallel_size=2 x tensor_parallel_size=2.*nproc-per-node 4"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 x data_parallel_size 2.*nproc-per-node 4"):
         resolve_tp_size(config, 2)
+    both = RtpConfig(parallel=ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2))
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=2 with data_parallel_size=2 is not supported"):
+        resolve_tp_size(both, 4)
     with pytest.raises(ConfigError, match="data_parallel_size=2 does not divide the 3 ranks"):
         resolve_tp_size(RtpConfig(parallel=ParallelConfig(data_parallel_size=2)), 3)
     with pytest.raises(ConfigError, match="data_parallel_size"):
@@ -451,8 +454,9 @@ def test_replace_settings_keeps_what_is_not_overridden() -> None:
 
 @pytest.mark.parametrize(("spec", "words"), [
     ("{method: eagle3, num_speculative_tokens: 3}", "speculative_config.method='eagle3' is invalid: expected one of "
-     "ngram ('eagle3' is not implemented yet)"),
-    ("{method: draft_model, num_speculative_tokens: 3, model: /m}", "'draft_model' is not implemented yet"),
+     "ngram, draft_model ('eagle3' is not implemented yet)"),
+    ("{method: draft_model, num_speculative_tokens: 3}", "model=None is invalid: expected a draft checkpoint "
+     "folder path"),
     ("{method: medusa, num_speculative_tokens: 3}", "speculative_config.method='medusa' is invalid: expected one of "
      "ngram, draft_model, eagle3 or null"),
     ("{method: ngram, num_speculative_tokens: 0}", "speculative_config.num_speculative_tokens=0 is invalid"),

@@ -220,25 +220,29 @@ def default_config_path() -> Path | None:
 
 
 def resolve_tp_size(config: RtpConfig, world_size: int) -> int:
-    """The tensor-parallel size of this run: world_size / data_parallel_size, checked against
-    ``tensor_parallel_size`` if that is set."""
+    """The tensor-parallel size of this run: world_size / (pipeline_parallel_size x data_parallel_size), and
+    ``tensor_parallel_size`` if set must equal it."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world size {world_size!r} is invalid: expected an integer >= 1")
-    dp = config.parallel.data_parallel_size
-    tp = config.parallel.tensor_parallel_size
-    if world_size % dp:
+    pp, dp = config.parallel.pipeline_parallel_size, config.parallel.data_parallel_size
+    if pp > 1 and dp > 1:
+        raise ConfigError(f"pipeline_parallel_size={pp} with data_parallel_size={dp} is not supported yet: "
+                          "use one of them")
+    split, what = (dp, "data_parallel_size") if dp > 1 else (pp, "pipeline_parallel_size")
+    if world_size % split:
         raise ConfigError(
-            f"data_parallel_size={dp} does not divide the {world_size} rank{'s' if world_size != 1 else ''} "
-            f"started by torchrun: start data_parallel_size x tensor_parallel_size ranks"
+            f"{what}={split} does not divide the {world_size} rank{'s' if world_size != 1 else ''} "
+            f"started by torchrun: start tensor_parallel_size x {split} ranks"
         )
+    tp = config.parallel.tensor_parallel_size
     if tp is None:
-        return world_size // dp
-    if tp * dp != world_size:
-        layout = f"data_parallel_size={dp} x tensor_parallel_size={tp}" if dp > 1 else f"tensor_parallel_size={tp}"
+        return world_size // split
+    if tp * split != world_size:
+        times = f" x {what} {split}" if split > 1 else ""
         raise ConfigError(
-            f"{layout} does not match the {world_size} rank{'s' if world_size != 1 else ''} "
+            f"tensor_parallel_size={tp}{times} does not match the {world_size} rank{'s' if world_size != 1 else ''} "
             "started by torchrun: "
-            f"run `torchrun --nproc-per-node {tp * dp} ...` "
-            f"or change tensor_parallel_size to {world_size // dp} (or null)"
+            f"run `torchrun --nproc-per-node {tp * split} ...` "
+            f"or change tensor_parallel_size to {world_size // split} (or null)"
         )
     return tp

@@ -22,7 +22,7 @@ from rtp.errors import ConfigError
 class Rule:
     """How one field is checked: its kind, an optional range test and the text naming what is allowed."""
 
-    kind: str  # "int" | "float" | "bool" | "str" | "choice"
+    kind: str  # "int" | "float" | "bool" | "str" | "choice" | "ints"
     allowed: str  # completes "expected ...", e.g. "an integer >= 1"
     ok: Callable[[Any], bool] | None = None
     nullable: bool = False
@@ -63,6 +63,12 @@ def choice(*choices: str, fold_case: bool = False, nullable: bool = False) -> Ru
 
 
 BOOL = Rule("bool", "true or false")
+
+
+def int_list(lo: int, nullable: bool = False) -> Rule:
+    """A non-empty list of ints >= ``lo`` (YAML list, or "a,b,c" from a flag), stored as a tuple."""
+    return Rule("ints", f"a non-empty list of integers >= {lo}" + (" or null" if nullable else ""),
+                lambda v: all(x >= lo for x in v), nullable)
 
 
 def setting(default: Any, rule: Rule, *, flat: str | None = None, repr: bool = True) -> Any:  # noqa: A002
@@ -129,6 +135,17 @@ def check_value(rule: Rule, key: str, value: Any, source: str) -> Any:
             raise invalid(source, key, value, rule.allowed, got_type=True)
         if not value.strip():
             raise invalid(source, key, value, rule.allowed)
+    elif rule.kind == "ints":
+        if isinstance(value, str):
+            try:
+                value = [int(x) for x in value.split(",")]
+            except ValueError:
+                raise invalid(source, key, value, rule.allowed) from None
+        if not isinstance(value, (list, tuple)) or not value:
+            raise invalid(source, key, value, rule.allowed, got_type=not isinstance(value, (list, tuple)))
+        if any(not isinstance(x, int) or isinstance(x, bool) for x in value):
+            raise invalid(source, key, value, rule.allowed)
+        value = tuple(value)
     elif rule.kind == "choice":
         if not isinstance(value, str):
             raise invalid(source, key, value, rule.allowed, got_type=True)

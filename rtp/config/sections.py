@@ -17,6 +17,7 @@ from rtp.config.rules import (
     BOOL,
     check_value,
     choice,
+    int_list,
     integer,
     number,
     power_of_two,
@@ -90,12 +91,27 @@ class ParallelConfig(Section):
     """How the ranks split the model, where they run, and the ring that carries their step plans."""
 
     tensor_parallel_size: int | None = setting(None, integer(1, nullable=True))
-    """Number of ranks a model is split over; None means torchrun's WORLD_SIZE / data_parallel_size (GPU
-    topology files fix it)."""
+    """Number of ranks each pipeline stage's layers (or each data-parallel replica) are split over; None means
+    torchrun's WORLD_SIZE divided by ``pipeline_parallel_size`` x ``data_parallel_size`` (GPU topology files fix
+    it)."""
     data_parallel_size: int = setting(1, integer(1))
     """Number of independent replicas of the model, >= 1, each split over tensor_parallel_size ranks: the world
     is data_parallel_size x tensor_parallel_size ranks (global rank = replica * TP + TP rank). Each replica is
-    a full engine (scheduler, KV cache, step channel); the server routes every request to one of them."""
+    a full engine (scheduler, KV cache, step channel); the server routes every request to one of them. Not yet
+    with pipeline_parallel_size > 1."""
+    pipeline_parallel_size: int = setting(1, integer(1))
+    """Number of pipeline stages, >= 1: stage ``s`` holds a contiguous range of layers on ranks
+    ``s*TP .. s*TP+TP-1`` (the world is TP x PP ranks); the first stage embeds, the last applies the final
+    norm, and rank 0 holds the whole LM head and samples. Pick it to span nodes: one hidden-state tensor
+    crosses each stage boundary per step."""
+    pipeline_layer_partition: tuple[int, ...] | None = setting(None, int_list(1, nullable=True))
+    """Layers of each pipeline stage, first stage first (one entry >= 1 per stage, summing to the model's
+    layer count); None: an even split, the remainder going to the middle stages, then the last. Not read
+    with one stage."""
+    pipeline_steps_in_flight: int | None = setting(None, integer(1, nullable=True))
+    """With pipeline stages: most steps rank 0 keeps in flight, each over its own requests (a request in
+    flight is scheduled again once its step's tokens are back), >= 1; None means pipeline_parallel_size,
+    so every stage has work; 1 runs one step at a time. Speculative decoding always runs one at a time."""
     device: str = setting("auto", choice("auto", "cpu", "cuda"))
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
     expert_parallel: bool = setting(False, BOOL)
@@ -105,6 +121,14 @@ class ParallelConfig(Section):
     chunks."""
     shm_num_chunks: int = setting(4, integer(2))
     """Number of chunks in the shared-memory ring, >= 2."""
+
+
+    @classmethod
+    def joint_rule(cls, values: Mapping[str, Any], key_of: Callable[[str], str]) -> tuple[str, str] | None:
+        partition, pp = values["pipeline_layer_partition"], values["pipeline_parallel_size"]
+        if partition is not None and pp > 1 and len(partition) != pp:
+            return "pipeline_layer_partition", f"one entry per stage ({key_of('pipeline_parallel_size')}={pp})"
+        return None
 
 
 @dataclass(frozen=True)
@@ -204,9 +228,9 @@ class ServerConfig(Section):
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
-"""Methods ``speculative_config.method`` accepts (vLLM's names); only "ngram" runs yet."""
+"""Methods ``speculative_config.method`` accepts (vLLM's names); "ngram" and "draft_model" run yet."""
 
-IMPLEMENTED_SPECULATIVE_METHODS = ("ngram",)
+IMPLEMENTED_SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -218,8 +242,8 @@ class SpeculativeConfig(Section):
     flat: ClassVar[bool] = False  # always under `speculative_config:`
 
     method: str | None = setting(None, choice(*SPECULATIVE_METHODS, nullable=True))
-    """"ngram" (prompt lookup over prompt + output), "draft_model" or "eagle3" (not implemented yet), or
-    None: no speculation."""
+    """"ngram" (prompt lookup over prompt + output), "draft_model" (a small Qwen3 with the target's
+    tokenizer), "eagle3" (not implemented yet), or None: no speculation."""
     num_speculative_tokens: int | None = setting(None, integer(1, 64, nullable=True))
     """Most draft tokens per sequence and step, in [1, 64]; required with a method."""
     prompt_lookup_min: int | None = setting(None, integer(1, 64, nullable=True))
@@ -228,9 +252,11 @@ class SpeculativeConfig(Section):
     prompt_lookup_max: int | None = setting(None, integer(1, 64, nullable=True))
     """ngram: longest suffix matched, in [prompt_lookup_min, 64]; None: max(prompt_lookup_min, 5)."""
     model: str | None = setting(None, text("a checkpoint folder path", nullable=True))
-    """draft_model / eagle3: the draft checkpoint (not implemented yet)."""
+    """draft_model: the draft checkpoint folder (same vocabulary and tokenizer as the target); required
+    with it."""
     draft_tensor_parallel_size: int | None = setting(None, integer(1, nullable=True))
-    """draft_model: ranks the draft runs on, 1 or the target's (not implemented yet)."""
+    """draft_model: ranks the draft runs on; None or 1: rank 0 alone (the only one implemented yet; the
+    target's TP size fails at start as not implemented, any other value as invalid)."""
     disable_by_batch_size: int | None = setting(16, integer(1, nullable=True))
     """No drafts in a step while more than this many sequences run (verifying k drafts costs k + 1 query
     tokens per sequence, which a large batch pays for without gaining latency), >= 1; None: never."""
@@ -248,6 +274,8 @@ class SpeculativeConfig(Section):
                               + f" ('{method}' is not implemented yet)")
         if values["num_speculative_tokens"] is None:
             return "num_speculative_tokens", f"an integer in [1, 64] with {key_of('method')}={method!r}"
+        if method == "draft_model" and values["model"] is None:
+            return "model", f"a draft checkpoint folder path with {key_of('method')}={method!r}"
         lo, hi = values["prompt_lookup_min"], values["prompt_lookup_max"]
         if lo is not None and hi is not None and lo > hi:
             return "prompt_lookup_max", f"an integer >= {key_of('prompt_lookup_min')}={lo}"

@@ -79,7 +79,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
         self.plans = PlanBuilder()  # what the workers mirror
         self.counters = SchedulerCounters()
-        self._awaiting_postprocess = False
+        self._awaiting_postprocess = 0  # steps scheduled and not postprocessed yet (several: pipeline stages)
 
     # ------------------------------------------------------------------ requests
 
@@ -142,7 +142,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ steps
 
-    def schedule(self, drafts: dict[int, list[int]] | None = None) -> ScheduleResult:
+    def schedule(self, drafts: dict[int, list[int]] | None = None, busy: set[int] | None = None,
+                 max_seqs: int | None = None) -> ScheduleResult:
         """Plan the next step. The plan is empty (no tokens) when nothing can run.
 
         ``drafts`` (speculative decoding) maps ids of decoding running sequences to draft tokens to
@@ -150,15 +151,22 @@ class Scheduler:
         what fits. A result with drafts must be passed to ``postprocess_speculative``, any other
         non-empty result to ``postprocess``, before the next call. Ids to free are only carried by
         non-empty plans, so an engine may skip executing empty ones.
+
+        ``busy`` (pipeline stages, several steps in flight): ids of the running sequences of the steps
+        not postprocessed yet. They are neither scheduled nor preempted; results are postprocessed in
+        the order they were scheduled. ``max_seqs`` caps the sequences of this step (a share of the
+        requests per step in flight).
         """
-        if self._awaiting_postprocess:
+        if self._awaiting_postprocess and busy is None:
             raise RuntimeError("schedule() called again before postprocess() of the previous step")
         cfg = self.config
-        running, budget, logit_rows, preempted = self._schedule_running(drafts)
+        seats = cfg.max_num_seqs if max_seqs is None else max_seqs
+        running, budget, logit_rows, preempted = self._schedule_running(drafts, busy, seats)
         admitted = ScheduleResult()
         if not preempted:  # after a preemption the cache is short: admitting now would only thrash
-            budget, logit_rows = self._admit(self._forked, admitted, budget, logit_rows)
-            self._admit(self.waiting, admitted, budget, logit_rows)
+            seats -= len(running.seqs)
+            budget, logit_rows = self._admit(self._forked, admitted, budget, logit_rows, seats)
+            self._admit(self.waiting, admitted, budget, logit_rows, seats)
         plan = self.plans.build(admitted.seqs, admitted.num_new_tokens, running.seqs, running.num_new_tokens)
         result = ScheduleResult(
             plan,
@@ -169,7 +177,7 @@ class Scheduler:
         if running.drafts is not None:
             self.plans.add_drafts(plan, running.drafts)
             result.drafts = [[] for _ in admitted.seqs] + running.drafts
-        self._awaiting_postprocess = bool(result.seqs)
+        self._awaiting_postprocess += bool(result.seqs)
         assert plan.num_tokens <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
         return result
@@ -189,7 +197,7 @@ class Scheduler:
         expected = sum(result.needs_sample)
         if len(sampled_token_ids) != expected:
             raise ValueError(f"postprocess got {len(sampled_token_ids)} sampled tokens, expected {expected}")
-        self._awaiting_postprocess = False
+        self._awaiting_postprocess = max(0, self._awaiting_postprocess - 1)
         bm = self.block_manager
         bs, caching = bm.block_size, bm.enable_prefix_caching
         tokens = iter(sampled_token_ids)
@@ -249,7 +257,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _schedule_running(self, drafts: dict[int, list[int]] | None = None) -> tuple[ScheduleResult, int, int, bool]:
+    def _schedule_running(self, drafts: dict[int, list[int]] | None = None, busy: set[int] | None = None,
+                          seats: int | None = None) -> tuple[ScheduleResult, int, int, bool]:
         """Step 1 of the policy: the running sequences' chunks (a decode with drafts: 1 + its drafts).
 
         Returns their shares, the token budget and prompt-logit rows left, and whether anything was preempted.
@@ -263,10 +272,10 @@ class Scheduler:
             running.drafts = []
         preempted = False
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or (seats is not None and len(running.seqs) >= seats):
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or (busy and seq.seq_id in busy):
+                continue  # preempted earlier in this loop, or in a step still in flight
             computed = seq.num_computed_tokens
             n = len(seq.token_ids) - computed
             assert n >= 1, f"running {seq} has nothing to compute"
@@ -283,7 +292,8 @@ class Scheduler:
             if computed + n > len(seq.block_table) * bs:
                 # The chunk spills past the last block (a decode: once every block_size steps): find room.
                 while (fit := bm.appendable_tokens(seq)) < 1:
-                    victim = self.running[-1]
+                    victim = self.running[-1] if not busy else next(s for s in reversed(self.running)
+                                                                    if s.seq_id not in busy)
                     # Alone, a sequence always fits: it would have finished with "length" otherwise.
                     assert victim is not seq or len(self.running) > 1, f"{seq} cannot fit alone"
                     self._preempt(victim)  # always a sequence after this one: none of running's shares
@@ -303,7 +313,7 @@ class Scheduler:
         return running, budget, logit_rows, preempted
 
     def _admit(
-        self, queue: deque[Sequence], admitted: ScheduleResult, budget: int, logit_rows: int
+        self, queue: deque[Sequence], admitted: ScheduleResult, budget: int, logit_rows: int, seats: int | None = None
     ) -> tuple[int, int]:
         """Step 2 of the policy for one queue (forks or waiting); returns the budget and logit rows left.
 
@@ -311,7 +321,8 @@ class Scheduler:
         starts after its prefix-cache hit.
         """
         cfg, bm = self.config, self.block_manager
-        while queue and len(self.running) < cfg.max_num_seqs and budget > 0:
+        while (queue and len(self.running) < cfg.max_num_seqs and budget > 0
+               and (seats is None or len(admitted.seqs) < seats)):
             seq = queue[0]
             if seq.is_fork:
                 cached, start = None, seq.num_computed_tokens

@@ -80,12 +80,15 @@ class ParallelState:
     ``tp_group`` carries tensor collectives (NCCL on GPU, gloo on CPU);
     ``cpu_group`` is always gloo and carries small control messages.
 
-    With data parallelism (``dp_size`` > 1) the world holds ``dp_size`` replicas of
-    ``tp_size`` ranks each, global rank = ``dp_rank * tp_size + tp_rank``. The state
-    :meth:`from_env` returns is the whole world's (liveness watches every rank of it);
+    With ``pp_size`` pipeline stages the world is ``tp_size x pp_size`` ranks, TP innermost:
+    ``rank = pp_rank * tp_size + tp_rank``, and ``tp_group`` is this rank's stage.
+
+    With data parallelism (``dp_size`` > 1; not yet with pipeline stages) the world holds
+    ``dp_size`` replicas of ``tp_size`` ranks each, global rank = ``dp_rank * tp_size + tp_rank``.
+    The state :meth:`from_env` returns is the whole world's (liveness watches every rank of it);
     :meth:`replica` gives the view a replica's engine and model are built on, whose
     ``rank``/``world_size`` are the TP rank and size and whose groups span the replica only.
-    Without data parallelism both are the same object: ``tp_size == world_size``.
+    Without either, tensor parallelism spans the whole world: ``tp_size == world_size``.
     """
 
     rank: int
@@ -104,6 +107,8 @@ class ParallelState:
     """gloo group of this node's ranks (several nodes only)."""
     leader_group: dist.ProcessGroup | None = None
     """gloo group of every node's leader (several nodes only): carries the step plans."""
+    pp_size: int = 1
+    """Pipeline stages; each holds a contiguous range of layers on ``tp_size`` ranks."""
     dp_rank: int = 0
     """This rank's replica, 0..dp_size-1."""
     dp_size: int = 1
@@ -134,12 +139,35 @@ class ParallelState:
         return list(range(self.world_size)) if self.topology is None else self.topology.ranks_on(self.node_rank)
 
     @property
-    def tp_size(self) -> int:
-        return self.world_size if self.global_rank is not None else self.world_size // self.dp_size
-
-    @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
+
+    @property
+    def tp_size(self) -> int:
+        replicas = self.dp_size if self.global_rank is None else 1  # a replica view is one replica's world
+        return self.world_size // (self.pp_size * replicas)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return (self.rank // self.tp_size) % self.pp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_rank(self, stage: int, tp_rank: int = 0) -> int:
+        """Global rank of TP rank ``tp_rank`` of pipeline stage ``stage``."""
+        return stage * self.tp_size + tp_rank
+
+    @property
+    def coordinator_rank(self) -> int:
+        """Global rank of this rank's coordinator: rank 0, or (data parallelism) its replica's first rank."""
+        return self.dp_rank * self.tp_size * self.pp_size
 
     @property
     def replica_ranks(self) -> list[int]:
@@ -163,18 +191,25 @@ class ParallelState:
         return cls(rank=0, world_size=1, local_rank=0, device=torch.device(device))
 
     @classmethod
-    def from_env(cls, device: str = "auto", timeout_s: float = 60.0, data_parallel_size: int = 1) -> ParallelState:
+    def from_env(cls, device: str = "auto", timeout_s: float = 60.0, pp_size: int = 1,
+                 data_parallel_size: int = 1) -> ParallelState:
         """Initialise torch.distributed from torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*.
 
         Without those variables this is a single-process world. ``device``:
         "auto" picks ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
-        ``data_parallel_size`` replicas split the world (it must divide WORLD_SIZE).
+        ``pp_size`` pipeline stages split the world (it must divide WORLD_SIZE); each stage's
+        ranks get a TP group of their own. ``data_parallel_size`` replicas split it likewise
+        (not both at once).
         """
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            if pp_size != 1:
+                raise ConfigError(f"pipeline_parallel_size={pp_size} needs {pp_size} ranks or more: run under torchrun")
             return cls.single(resolve_device(device, 0))
         launcher_pid = os.getppid()  # first thing: the liveness watchdog compares it with later getppid()
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
+        if world_size % pp_size:
+            raise ConfigError(f"pipeline_parallel_size={pp_size} does not divide the world of {world_size} ranks")
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         dev = resolve_device(device, local_rank)
         if dev.type == "cuda":
@@ -184,15 +219,22 @@ class ParallelState:
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
         tp_group = dist.group.WORLD
+        if pp_size > 1:
+            tp = world_size // pp_size
+            for stage in range(pp_size):  # every rank creates every group, in the same order
+                group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timeout)
+                if rank // tp == stage:
+                    tp_group = group
         # A gloo group exists on GPU too, for control messages that must not
         # queue behind (or deadlock with) NCCL kernels.
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else tp_group
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
         # Who shares a node: torchrun's GROUP_RANK, cross-checked with the hostname.
         entries: list = [None] * world_size
         me = (socket.gethostname(), os.getpid(), int(os.environ.get("GROUP_RANK", 0)), local_rank)
         dist.all_gather_object(entries, me, group=cpu_group)
         topology = Topology.from_ranks(entries)
-        ps = cls(rank, world_size, local_rank, dev, tp_group, cpu_group, launcher_pid=launcher_pid, topology=topology)
+        ps = cls(rank, world_size, local_rank, dev, tp_group, cpu_group, launcher_pid=launcher_pid, topology=topology,
+                 pp_size=pp_size)
         if data_parallel_size > 1:
             ps._add_replica_groups(data_parallel_size, backend, timeout)
         if topology.num_nodes > 1:
@@ -204,8 +246,9 @@ class ParallelState:
             leaders = new_relay_group(list(topology.leaders))
             if rank in topology.leaders:
                 ps.leader_group = leaders
-        logger.info("initialised %s world of %d ranks on %s (%d node%s)", backend, world_size, dev,
-                    topology.num_nodes, "s" if topology.num_nodes > 1 else "")
+        logger.info("initialised %s world of %d ranks on %s (%d node%s%s)", backend, world_size, dev,
+                    topology.num_nodes, "s" if topology.num_nodes > 1 else "",
+                    f", {pp_size} pipeline stages of TP {world_size // pp_size}" if pp_size > 1 else "")
         return ps
 
     def _add_replica_groups(self, dp: int, backend: str, timeout: datetime.timedelta) -> None:
@@ -231,20 +274,22 @@ class ParallelState:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the TP group, in place; returns ``x``."""
-        if self.world_size > 1:
+        if self.tp_size > 1:
             if self.node_reduce is not None and x.device.type == "cpu":
                 return self.node_reduce.all_reduce(x)
             dist.all_reduce(x, group=self.tp_group)
         return x
 
     def gather_to_driver(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-        """Concatenate each rank's ``x`` along ``dim`` on rank 0; other ranks get None."""
-        if self.world_size == 1:
+        """Concatenate each TP rank's ``x`` along ``dim`` on the stage's TP rank 0 (rank 0 without pipeline
+        parallelism); other ranks get None."""
+        if self.tp_size == 1:
             return x
         if self.node_reduce is not None and x.device.type == "cpu":
             return self.node_reduce.gather(x, dim)
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        # group_dst: the stage's (or replica's) first rank, whatever its global rank
         dist.gather(x, parts, group_dst=0, group=self.tp_group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 

@@ -64,10 +64,17 @@ def _json_mapping(value: str) -> dict[str, Any]:
 
 ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("parallel.tensor_parallel_size", ("--tensor-parallel-size", "-tp"), int,
-         "ranks the model is split over; `rtp serve` starts that many (default: torchrun's world size)"),
+         "ranks each pipeline stage (or data-parallel replica) is split over; `rtp serve` starts TP x PP (or "
+         "DP x TP) ranks (default: torchrun's world size / PP / DP)"),
     Flag("parallel.data_parallel_size", ("--data-parallel-size", "-dp"), int,
          "independent replicas behind one server, each over --tensor-parallel-size ranks (`rtp serve` starts "
          "DP x TP ranks)"),
+    Flag("parallel.pipeline_parallel_size", ("--pipeline-parallel-size", "-pp"), int,
+         "pipeline stages (contiguous layer ranges; TP ranks each), default 1"),
+    Flag("parallel.pipeline_layer_partition", ("--pipeline-layer-partition",), str,
+         "layers per stage, comma-separated (e.g. 13,14,14,13); default: an even split"),
+    Flag("parallel.pipeline_steps_in_flight", ("--pipeline-steps-in-flight",), int,
+         "steps in flight with pipeline stages, over disjoint requests (default: the stage count; 1: one at a time)"),
     Flag("parallel.device", ("--device",), str, "auto (cuda when available), cpu or cuda", ("auto", "cpu", "cuda")),
     Flag("model.dtype", ("--dtype",), _dtype, "auto (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else "
          "float32), float32, bfloat16, float16 (vLLM's half, float, bf16 accepted)",

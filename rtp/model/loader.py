@@ -117,9 +117,11 @@ def _load_file(model: Qwen3ForCausalLM, path: Path, sizes: dict[str, int], param
         for name in f.keys():
             done = sizes.get(name, 0)
             report.checkpoint_bytes += done
-            if not (name == "lm_head.weight" and model.spec.tie_word_embeddings):
+            tied_copy = name == "lm_head.weight" and model.spec.tie_word_embeddings
+            # tied: the embedding is the head (some checkpoints store both); another pipeline stage's
+            # tensor is that stage's to load
+            if not tied_copy and model.owns_tensor(name):
                 _load_tensor(model, f, path, name, params, expected, seen, report)
-            # else tied: the embedding is the head; some checkpoints store both
             bar.update(done)
             if on_progress is not None:
                 on_progress(done)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from rtp.distributed.parallel import ParallelState
@@ -24,6 +26,8 @@ from rtp.model.linear import (
 from rtp.model.moe import FusedMoE
 from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, qk_norm_rope, rope_inv_freq
 from rtp.model.quant import DequantLinearMethod, QuantFormat
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -137,26 +141,50 @@ class Qwen3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class OtherStage(nn.Module):
+    """Stands in for a decoder layer another pipeline stage holds: no parameters, never called."""
+
+
 class Qwen3Model(nn.Module):
+    """The decoder stack, or with pipeline parallelism one stage's contiguous range of it.
+
+    ``layers`` is the range this stage holds (all by default; the others are :class:`OtherStage`
+    placeholders, so parameter names keep their checkpoint index). The first stage embeds the
+    tokens; the last applies the final norm. A later stage takes the previous stage's hidden states.
+    """
+
     def __init__(
         self, spec: Qwen3Spec, ps: ParallelState, rotary: RotaryEmbedding, make_mlp: Callable[[int], nn.Module],
-        method: LinearMethod = PLAIN,
+        method: LinearMethod = PLAIN, layers: range | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, ps)
+        self.layer_range = range(spec.num_layers) if layers is None else layers
+        self.first = self.layer_range.start == 0
+        self.last = self.layer_range.stop == spec.num_layers
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, ps) if self.first else None
         self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, ps, rotary, make_mlp(i), method)
-                                    for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+                                    if i in self.layer_range else OtherStage() for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if self.last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids: [T]; hidden: [T, hidden] from the previous stage (later stages only)
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+        else:
+            assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
+            x = hidden
+        layers = self.layers
+        for i in self.layer_range:
+            x = layers[i](positions, x, meta)
+        return self.norm(x) if self.norm is not None else x
 
 
 class Qwen3ForCausalLM(nn.Module):
     """Each rank's slice of Qwen3. ``forward`` gives hidden states; ``compute_logits`` gathers on rank 0.
+
+    ``layers``: with pipeline parallelism, the decoder layers this rank's stage holds (all by default);
+    rank 0 alone then has the LM head, whole: it samples, from the last stage's final hidden states.
 
     ``quant``: the format of a quantized checkpoint (:mod:`rtp.model.quant`); the attention and
     MLP projections (and the experts) load its tensors and are dequantized once after loading.
@@ -173,7 +201,7 @@ class Qwen3ForCausalLM(nn.Module):
     }
 
     def __init__(self, spec: Qwen3Spec, ps: ParallelState, hf_config, max_positions: int,  # noqa: ANN001
-                 quant: QuantFormat | None = None) -> None:
+                 quant: QuantFormat | None = None, layers: range | None = None) -> None:
         super().__init__()
         spec.check_tp(ps.tp_size)
         self.spec = spec
@@ -181,20 +209,64 @@ class Qwen3ForCausalLM(nn.Module):
         self.linear_method: LinearMethod = PLAIN if quant is None else DequantLinearMethod(quant)
         inv_freq, scale = rope_inv_freq(hf_config, spec.head_dim)
         rotary = RotaryEmbedding(spec.head_dim, max_positions, inv_freq, scale)
-        self.model = Qwen3Model(spec, ps, rotary, lambda i: self.make_mlp(i, ps), self.linear_method)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps, tied=spec.tie_word_embeddings)
-        if spec.tie_word_embeddings:
+        self.model = Qwen3Model(spec, ps, rotary, lambda i: self.make_mlp(i, ps), self.linear_method, layers)
+        self.ps = ps
+        self.lm_head: ParallelLMHead | None = None
+        tied = spec.tie_word_embeddings
+        if ps.pp_size == 1:
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ps, tied=tied)
+        elif ps.rank == 0:
+            # Pipeline stages: rank 0 samples, so it holds the whole head (unsharded) and the last stage sends
+            # it final hidden states, not logits. Tied, it is the embedding (gathered after loading if sharded).
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, ParallelState.single(ps.device),
+                                          tied=tied)
+        if self.lm_head is not None and tied and (ps.pp_size == 1 or ps.tp_size == 1):
+            # The same vocab rows on this rank (without stages: the same shard; rank 0's whole head at TP=1).
+            assert self.model.embed_tokens is not None, "the LM head is on the first stage"
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, layer: int, ps: ParallelState) -> nn.Module:
         """The feed-forward block of layer ``layer`` (Qwen3-MoE overrides this)."""
         return Qwen3MLP(self.spec, ps, self.linear_method)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        assert self.lm_head is not None, "with pipeline stages only rank 0 computes logits"
         return self.lm_head.compute_logits(hidden)
+
+    def owns_layer(self, layer: int) -> bool:
+        """Whether this rank's pipeline stage holds decoder layer ``layer``."""
+        return layer in self.model.layer_range
+
+    def owns_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to this rank's pipeline stage (always, without PP).
+
+        A tensor of another stage is skipped by the loader, not reported as unexpected.
+        """
+        m = _LAYER.match(name)
+        if m is not None:
+            return self.owns_layer(int(m[1]))
+        if name.startswith("model.embed_tokens."):
+            return self.model.first
+        if name.startswith("model.norm."):
+            return self.model.last
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
+
+    def gather_tied_head(self) -> None:
+        """Pipeline stages, tied embeddings, TP > 1 on the first stage: rank 0's whole LM head is the
+        embedding's vocab shards gathered over the first stage's TP group (collective on that stage)."""
+        ps, embed = self.ps, self.model.embed_tokens
+        if ps.pp_size == 1 or not self.spec.tie_word_embeddings or ps.tp_size == 1 or embed is None:
+            return
+        parts = [torch.empty_like(embed.weight) for _ in range(ps.tp_size)]
+        dist.all_gather(parts, embed.weight.data.contiguous(), group=ps.tp_group)  # [V_local, H] each
+        if self.lm_head is not None:
+            self.lm_head.weight.data.copy_(torch.cat(parts)[: self.spec.vocab_size])
 
     def attention_layers(self) -> list[PagedAttention]:
         return [m for m in self.modules() if isinstance(m, PagedAttention)]
@@ -203,7 +275,8 @@ class Qwen3ForCausalLM(nn.Module):
         """Full (unsharded) shape of every tensor the checkpoint must hold; the linears' methods name theirs."""
         s, d = self.spec, self.spec.head_dim
         shapes = {"model.embed_tokens.weight": [s.vocab_size, s.hidden_size], "model.norm.weight": [s.hidden_size]}
-        for i in range(s.num_layers):
+        shapes = {k: v for k, v in shapes.items() if self.owns_tensor(k)}
+        for i in self.model.layer_range:
             p = f"model.layers.{i}."
             shapes |= {
                 p + "input_layernorm.weight": [s.hidden_size],

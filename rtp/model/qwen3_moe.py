@@ -90,11 +90,12 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         max_positions: int,
         expert_parallel: bool = False,
         quant: QuantFormat | None = None,
+        layers: range | None = None,
     ) -> None:
         spec.check_tp(ps.tp_size, expert_parallel)
         self.moe_spec = spec  # the base class keeps it as ``spec`` with the dense type
         self.expert_parallel = expert_parallel  # read by make_mlp during the base constructor
-        super().__init__(spec, ps, hf_config, max_positions, quant)
+        super().__init__(spec, ps, hf_config, max_positions, quant, layers)
 
     def make_mlp(self, layer: int, ps: ParallelState) -> nn.Module:
         s = self.moe_spec
@@ -110,7 +111,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         s = self.moe_spec
         shapes = super().checkpoint_shapes()
         h, mi = s.hidden_size, s.moe_intermediate_size
-        for i in s.sparse_layers:  # the router (gate) is a linear: listed by the base class
+        for i in filter(self.owns_layer, s.sparse_layers):  # the router (gate) is a linear: listed by the base
             p = f"model.layers.{i}.mlp."
             for e in range(s.num_experts):
                 q = f"{p}experts.{e}."

@@ -35,6 +35,7 @@ from rtp.errors import RequestError
 from rtp.log import get_logger
 from rtp.outputs import RequestOutput
 from rtp.runtime.detokenizer import TokenDecoder
+from rtp.runtime.in_flight import InFlightSteps
 from rtp.runtime.input_processor import InputProcessor
 from rtp.runtime.model_info import ModelInfo
 from rtp.runtime.model_runner import ModelRunner, StepOutput
@@ -42,6 +43,7 @@ from rtp.runtime.output_processor import OutputProcessor, RequestState, SampleSt
 from rtp.runtime.sampler import Sampler
 from rtp.sampling import SamplingParams
 from rtp.spec.controller import SpecController
+from rtp.spec.proposer import build_proposer
 from rtp.spec.sampling import Runs, sample_runs
 from rtp.spec.verify import supports_drafts
 
@@ -94,7 +96,8 @@ class Engine:
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed)
         spec = config.speculative_config
-        self.spec = SpecController(spec, self.max_model_len) if spec.enabled else None
+        self.spec = (SpecController(spec, self.max_model_len, build_proposer(config, runner, model_dir))
+                     if spec.enabled else None)
         """Speculative decoding's draft policy and counters; None when it is off."""
         self._spec_logged = time.monotonic()
         self.outputs = OutputProcessor(self.scheduler.finish, self._release_id)  # owned by the stepping thread
@@ -104,6 +107,12 @@ class Engine:
         # so an abort that follows an add in the same step is not lost.
         self._inbox: list[RequestState | str] = []
         self._live_ids: set[str] = set()  # ids submitted and not yet finished (any thread)
+        self.busy: set[int] = set()
+        """Ids of the sequences in steps still in flight (pipeline stages); empty otherwise."""
+        stages = config.parallel.pipeline_parallel_size
+        depth = config.parallel.pipeline_steps_in_flight or stages
+        self.in_flight = InFlightSteps(self, depth) if stages > 1 and depth > 1 and not self.spec else None
+        """Pipeline stages: the steps in flight (None: one step at a time)."""
 
     # ---- submission (any thread) ----
 
@@ -156,7 +165,9 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of requests that changed."""
-        changed = self._drain_inbox()
+        if self.in_flight is not None:
+            return self.in_flight.step()
+        changed = self.drain_inbox()
         drafts = self.spec.propose(self.scheduler.running, self._can_draft) if self.spec is not None else None
         result = self.scheduler.schedule(drafts)
         plan = result.plan
@@ -167,16 +178,24 @@ class Engine:
         if result.drafts is not None:
             self._step_speculative(result, out, changed)
             return changed
+        self.finish_step(result, out, changed)
+        return changed
+
+    def finish_step(self, result: ScheduleResult, out: StepOutput, changed: list[RequestOutput]) -> None:
+        """Sample a computed step, postprocess it and add the requests it changed to ``changed``."""
         sampled = self._sample(result, out.sample_logits)
         self._postprocess(result, sampled)
         self.outputs.process(sampled.seqs, sampled.tokens, sampled.logprobs, out.prompt_logits, changed)
-        return changed
 
-    def _drain_inbox(self) -> list[RequestOutput]:
-        """Hand the submitted requests to the scheduler and apply the aborts; returns what finished."""
+    def drain_inbox(self) -> list[RequestOutput]:
+        """Hand the submitted requests to the scheduler and apply the aborts; returns what finished.
+
+        An abort of a request with a sequence in a step still in flight waits for that step.
+        """
         with self._lock:
             inbox, self._inbox = self._inbox, []
         finished = []
+        deferred: list[RequestState | str] = []
         outputs = self.outputs
         for item in inbox:
             if isinstance(item, RequestState):
@@ -188,10 +207,16 @@ class Engine:
                 outputs.add(item)
                 continue
             req = outputs.requests.get(item)
+            if req is not None and self.busy and any(smp.seq.seq_id in self.busy for smp in req.samples):
+                deferred.append(item)
+                continue
             if req is not None and not req.output.finished:
                 for smp in req.samples:
                     self.scheduler.abort(smp.seq.seq_id)
                 finished.append(outputs.abort(req))
+        if deferred:
+            with self._lock:
+                self._inbox[:0] = deferred
         return finished
 
     def _sample(self, result: ScheduleResult, logits: torch.Tensor | None) -> _Sampled:
@@ -280,7 +305,8 @@ class Engine:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every live request with an error (a rank died); returns their outputs."""
-        self._drain_inbox()
+        self.busy.clear()  # the steps in flight are lost with the failed rank
+        self.drain_inbox()
         return self.outputs.fail_all(message)
 
     def stats(self) -> dict[str, float]:
@@ -288,4 +314,6 @@ class Engine:
         stats = dataclasses.asdict(self.scheduler.stats)
         if self.spec is not None:
             stats.update(self.spec.counters.as_stats())
+        if self.in_flight is not None:
+            stats["pipeline_overlapped_steps"] = self.in_flight.num_overlapped
         return stats

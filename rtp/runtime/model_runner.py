@@ -1,9 +1,14 @@
-"""StepPlan -> tensors -> forward -> a StepOutput (logits) on rank 0. CUDA graphs for decode on GPU."""
+"""StepPlan -> tensors -> forward -> a StepOutput (logits) on rank 0. CUDA graphs for decode on GPU.
+
+With pipeline stages each rank runs its stage's layers: it receives the previous stage's hidden
+states, sends its own to the next stage (:mod:`rtp.distributed.pipeline`), and the last stage
+sends rank 0 the final hidden states of the rows to sample (:mod:`rtp.runtime.stage_output`);
+rank 0 turns them into logits with its whole LM head in :meth:`ModelRunner.collect`.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +18,7 @@ from transformers import AutoConfig
 from rtp.config import RtpConfig
 from rtp.core.step import StepPlan
 from rtp.distributed.parallel import ParallelState
+from rtp.distributed.pipeline import StageLink, stage_layers
 from rtp.errors import ConfigError
 from rtp.kernels.cpu_features import native_bf16
 from rtp.log import get_logger
@@ -25,35 +31,14 @@ from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rtp.model.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSpec
 from rtp.runtime.batch import BatchInputs, BatchMirror
 from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
+from rtp.runtime.stage_output import PromptLogits, RowPlan, StageOutputs, StepOutput
+
+__all__ = ["ModelRunner", "PromptLogits", "RowPlan", "StepOutput", "load_model", "logit_rows", "resolve_dtype",
+           "row_plan"]
 
 logger = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class PromptLogits:
-    """The logits of every position of one sequence's chunk, for its prompt logprobs."""
-
-    seq_id: int
-    first_pos: int
-    """Position of the chunk's first token: row ``j`` holds the logits after position ``first_pos + j``."""
-    logits: torch.Tensor
-    """[chunk length, vocab] float32."""
-
-
-@dataclass
-class StepOutput:
-    """What one step's forward pass hands rank 0's engine (other ranks get an empty one).
-
-    Room for what later steps produce besides logits (hidden states for an EAGLE proposer).
-    """
-
-    sample_logits: torch.Tensor | None = None
-    """[S, vocab] float32: one row per sequence sampled this step, in batch order (1 + its draft count
-    rows, consecutive, for a sequence verifying drafts); None when none is."""
-    prompt_logits: list[PromptLogits] = field(default_factory=list)
-    """One entry per sequence of ``plan.prompt_logprob_seq_ids`` in the batch, in batch order."""
 
 
 def logit_rows(batch: BatchInputs, prompt_logit_seq_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -81,6 +66,31 @@ def _flat_positions(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
     owner = np.repeat(np.arange(len(counts)), counts)  # [R] chunk of each row
     group_start = np.add.accumulate(counts) - counts  # [B] first row of each chunk's group
     return (ends - counts)[owner] + np.arange(int(counts.sum())) - group_start[owner]
+
+
+def row_plan(batch: BatchInputs, prompt_logit_seq_ids: list[int]) -> RowPlan | None:
+    """Which flat positions of ``batch`` go through the LM head and what their rows are; None when none do."""
+    if not prompt_logit_seq_ids:
+        # The common case: one row per sampled sequence, so the rows are the sample rows.
+        if len(batch.sample_indices) == 0:
+            return None
+        return RowPlan(np.asarray(batch.sample_indices, dtype=np.int64))
+    counts, sampled = logit_rows(batch, prompt_logit_seq_ids)
+    if not counts.any():
+        return None
+    ends = batch.cu_seqlens_q[1:].astype(np.int64)  # [B]
+    group_end = np.add.accumulate(counts)  # [B] one past each sequence's last row
+    sample_rows = (group_end - 1)[sampled]  # [S]
+    if batch.draft_counts is not None:  # the verification rows of drafting sequences too
+        n = 1 + batch.draft_counts[sampled]  # [S']
+        sample_rows = _flat_positions(group_end[sampled], n)
+    wanted = set(prompt_logit_seq_ids)
+    prompts = []
+    for b, seq_id in enumerate(batch.seq_ids):
+        if seq_id in wanted:
+            first = int(ends[b]) - batch.q_lens[b]  # flat index of the chunk's first token
+            prompts.append((seq_id, int(batch.positions[first]), int(group_end[b] - counts[b]), int(group_end[b])))
+    return RowPlan(_flat_positions(ends, counts), sample_rows, prompts)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -114,8 +124,12 @@ def load_model(
     max_positions: int | None = None,
     expert_parallel: bool = False,
     quantization: str | None = None,
+    layer_partition: tuple[int, ...] | None = None,
 ) -> tuple[Qwen3ForCausalLM, LoadReport]:
     """Build this rank's slice of the model (dense Qwen3 or Qwen3-MoE) on its device and load the weights.
+
+    With pipeline stages (``ps.pp_size > 1``) the slice is this rank's stage's layers (an even
+    split, or ``layer_partition``), and only their tensors are read.
 
     ``expert_parallel`` (MoE only): whole experts per rank instead of a slice of every expert.
     A quantized checkpoint (``quantization_config``: FP8 blocks, AWQ) is dequantized to ``dtype`` at load;
@@ -126,13 +140,17 @@ def load_model(
     spec = Qwen3MoeSpec.from_hf(hf_config) if is_moe else Qwen3Spec.from_hf(hf_config)
     quant = checkpoint_format(hf_config)  # FP8 blocks, AWQ, or None for a float checkpoint
     positions = max(max_positions or 0, spec.max_position_embeddings)
+    layers = stage_layers(spec.num_layers, ps.pp_size, layer_partition)[ps.pp_rank] if ps.pp_size > 1 else None
+    if layers is not None:
+        logger.info("pipeline stage %d of %d: layers %d..%d", ps.pp_rank, ps.pp_size, layers.start, layers.stop - 1)
     model: Qwen3ForCausalLM
     with _default_dtype(dtype), torch.device(ps.device):
         if isinstance(spec, Qwen3MoeSpec):
-            model = Qwen3MoeForCausalLM(spec, ps, hf_config, positions, expert_parallel, quant)
+            model = Qwen3MoeForCausalLM(spec, ps, hf_config, positions, expert_parallel, quant, layers)
         else:
-            model = Qwen3ForCausalLM(spec, ps, hf_config, positions, quant)
+            model = Qwen3ForCausalLM(spec, ps, hf_config, positions, quant, layers)
     report = load_weights(model, model_dir, show_progress=ps.rank == 0)
+    model.gather_tied_head()  # pipeline stages: rank 0's whole tied head from the embedding's shards
     if quant is not None:
         logger.info("dequantized the %s checkpoint's projections to %s at load", quant.name, dtype)
     if quantization == "int8":
@@ -165,7 +183,8 @@ class ModelRunner:
             logger.warning("neither flash-attn (not installed, dtype %s, or pre-Ampere GPU) nor triton is usable "
                            "here: using the slow torch attention", self.dtype)
         self.model, self.load_report = load_model(model_dir, ps, self.dtype, model_config.max_model_len,
-                                                  config.parallel.expert_parallel, model_config.quantization)
+                                                  config.parallel.expert_parallel, model_config.quantization,
+                                                  config.parallel.pipeline_layer_partition)
         self.spec = self.model.spec
         self.max_model_len = model_config.max_model_len or self.spec.max_position_embeddings
         self.block_size = block_size
@@ -182,8 +201,16 @@ class ModelRunner:
         )
         allocate_kv_cache(layers, self.num_blocks, block_size, self.dtype, ps.device)
         self.mirror = BatchMirror(block_size)
+        # Pipeline stages: hidden states to and from the neighbouring stages, and the last stage's
+        # outputs to rank 0 (None without pipeline parallelism).
+        self.link = StageLink(ps) if ps.pp_size > 1 else None
+        self.outputs = StageOutputs(ps) if ps.pp_size > 1 else None
         self.graphs: CudaGraphs | None = None
-        if self.attn_backend in ("flash", "triton") and not model_config.enforce_eager:  # both decode paths capturable
+        capturable = self.attn_backend in ("flash", "triton")  # both decode paths capturable
+        if capturable and not model_config.enforce_eager and ps.pp_size > 1:
+            logger.info("CUDA graphs are off with pipeline parallelism: a stage's decode step receives and "
+                        "sends hidden states around the captured layers (not captured yet)")
+        elif capturable and not model_config.enforce_eager:
             max_blocks = -(-self.max_model_len // block_size)
             max_batch = min(model_config.cuda_graph_max_batch, max_num_seqs)  # no decode batch is larger
             self.graphs = CudaGraphs(
@@ -203,9 +230,12 @@ class ModelRunner:
         pos = torch.arange(n, device=self.ps.device)
         cu = torch.tensor([0, n], dtype=torch.int32, device=self.ps.device)
         meta = AttnMetadata(pos.clone(), cu, cu, cu[1:], None, n, n, [n], [n])
-        hidden = self.model(ids, pos, meta)
-        # Rank 0 samples up to max_num_seqs rows: count their logits too.
-        self.model.compute_logits(hidden[: min(n, self.max_num_seqs)])
+        first = self.ps.is_first_stage
+        stage_in = None if first else torch.zeros(n, self.spec.hidden_size, dtype=self.dtype, device=self.ps.device)
+        hidden = self.model(ids, pos, meta, stage_in)
+        if self.model.lm_head is not None:
+            # Rank 0 samples up to max_num_seqs rows: count their logits too.
+            self.model.compute_logits(hidden[: min(n, self.max_num_seqs)])
         torch.cuda.synchronize(self.ps.device)
         peak = torch.cuda.max_memory_allocated(self.ps.device)
         torch.cuda.empty_cache()
@@ -233,46 +263,58 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Run one step. On rank 0 the StepOutput holds the step's float32 logits; elsewhere it is empty."""
+        """Run one step. On rank 0 the StepOutput holds the step's float32 logits; elsewhere it is empty.
+
+        With pipeline stages rank 0 runs the first stage's part and then waits for the last stage's
+        rows (see :meth:`submit` and :meth:`collect` to keep several steps in flight).
+        """
+        out = self.submit(plan)
+        return self.collect() if self.outputs is not None and self.ps.rank == 0 else out
+
+    @torch.inference_mode()
+    def submit(self, plan: StepPlan) -> StepOutput:
+        """Run this rank's stage of one step: receive the previous stage's hidden states, run the layers, send
+        them on. Without stages the StepOutput holds the logits on rank 0; with stages the last stage's TP
+        rank 0 sends rank 0 the final hidden states of the rows to compute logits of (see :meth:`collect`)."""
         batch = self.mirror.apply(plan)
+        rows = row_plan(batch, plan.prompt_logprob_seq_ids) if batch.num_tokens else None
+        if self.outputs is not None and self.ps.rank == 0:
+            self.outputs.expect(rows)
         if batch.num_tokens == 0:
             return StepOutput()
         ids, pos, meta = self.to_device(batch)
+        stage_in = None
+        if self.link is not None and not self.ps.is_first_stage:
+            stage_in = self.link.recv_hidden(batch.num_tokens, self.spec.hidden_size, self.dtype)  # [T, hidden]
         graphs = self.graphs if meta.decode_only else None
         if graphs is not None and graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
             hidden = graphs.run(ids, pos, meta)
         else:
-            hidden = self.model(ids, pos, meta)  # [T, hidden]
-        if not plan.prompt_logprob_seq_ids:
-            # The common case: one row per sampled sequence, so the rows are the sample rows.
-            if len(batch.sample_indices) == 0:
-                # a prefill chunk that does not reach its prompt's end (the plan is the same on
-                # every rank, so all skip the gather together)
-                return StepOutput()
-            logits = self._logits(hidden, batch.sample_indices)
-            return StepOutput(sample_logits=logits)
-        counts, sampled = logit_rows(batch, plan.prompt_logprob_seq_ids)
-        if not counts.any():
+            hidden = self.model(ids, pos, meta, stage_in)  # [T, hidden]
+        if self.link is not None and not self.ps.is_last_stage:
+            self.link.send_hidden(hidden)
             return StepOutput()
-        ends = batch.cu_seqlens_q[1:].astype(np.int64)  # [B]
-        logits = self._logits(hidden, _flat_positions(ends, counts))  # [R, vocab]
-        if logits is None:
+        if rows is None:
+            # a prefill chunk that does not reach its prompt's end (the plan is the same on
+            # every rank, so all skip the gather together)
             return StepOutput()
-        group_end = np.add.accumulate(counts)  # [B] one past each sequence's last row
-        sample_rows = (group_end - 1)[sampled]  # [S]
-        if batch.draft_counts is not None:  # the verification rows of drafting sequences too
-            n = 1 + batch.draft_counts[sampled]  # [S']
-            sample_rows = _flat_positions(group_end[sampled], n)
-        out = StepOutput()
-        if len(sample_rows):
-            out.sample_logits = logits[torch.from_numpy(sample_rows).to(logits.device)]
-        wanted = set(plan.prompt_logprob_seq_ids)
-        for b, seq_id in enumerate(batch.seq_ids):
-            if seq_id in wanted:
-                first = int(ends[b]) - batch.q_lens[b]  # flat index of the chunk's first token
-                rows = logits[int(group_end[b] - counts[b]) : int(group_end[b])]
-                out.prompt_logits.append(PromptLogits(seq_id, int(batch.positions[first]), rows))
-        return out
+        if self.outputs is not None:
+            if self.ps.tp_rank == 0:  # every TP rank holds the same final hidden states
+                self.outputs.send(hidden[torch.from_numpy(rows.positions).to(hidden.device)])
+            return StepOutput()
+        logits = self._logits(hidden, rows.positions)
+        return StepOutput() if logits is None else rows.output(logits)
+
+    def collect(self) -> StepOutput:
+        """Rank 0 with pipeline stages: the outputs of the oldest step submitted and not collected, from the
+        final hidden states the last stage sends (rank 0 holds the LM head)."""
+        assert self.outputs is not None, "collect() is for pipeline parallelism"
+        rows, hidden = self.outputs.recv(self.spec.hidden_size, self.dtype)  # [R, hidden]
+        if rows is None or hidden is None:
+            return StepOutput()
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None, "rank 0's LM head is not sharded with pipeline stages"
+        return rows.output(logits.float())
 
     def _logits(self, hidden: torch.Tensor, positions: np.ndarray) -> torch.Tensor | None:
         """float32 logits of the flat ``positions`` ([R] int64) on rank 0: [R, vocab]; None elsewhere.

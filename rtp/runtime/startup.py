@@ -42,6 +42,7 @@ from rtp.runtime.fault_injection import StepDelay
 from rtp.runtime.model_runner import ModelRunner
 from rtp.runtime.step_transport import StepTransport
 from rtp.runtime.worker import WorkerExit, run_worker
+from rtp.spec.draft_check import check_draft_model
 
 logger = get_logger(__name__)
 
@@ -54,16 +55,18 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
     lost in any replica ends the run.
     """
     world = ParallelState.from_env(config.parallel.device, timeout_s=max(config.liveness.timeout_s, 60.0),
+                                   pp_size=config.parallel.pipeline_parallel_size,
                                    data_parallel_size=config.parallel.data_parallel_size)
-    setup_logging(world.rank, config.log_level, coordinator=world.tp_rank == 0)
-    resolve_tp_size(config, world.world_size)
+    setup_logging(world.rank, config.log_level, coordinator=world.rank == world.coordinator_rank)
+    check_draft_model(config.speculative_config, model_dir, resolve_tp_size(config, world.world_size))
     step_delay = StepDelay.from_env()
     pids = _gather_pids(world)
     heartbeat, watchdog = _start_liveness(config, world, pids)
     ps = world.replica()
-    first = world.dp_rank * world.tp_size
+    if world.dp_size > 1:  # the replica's ranks' pids, by their rank in the replica
+        pids = pids[world.coordinator_rank : world.coordinator_rank + world.tp_size]
     try:
-        return _start(config, model_dir, ps, pids[first : first + world.tp_size], heartbeat, watchdog, step_delay)
+        return _start(config, model_dir, ps, pids, heartbeat, watchdog, step_delay)
     except BaseException:
         # Every rank usually fails the same way (a bad model, a bad shape): stop watching, so a peer
         # leaving first is not reported on top of the real error. The heartbeat keeps beating until
@@ -118,8 +121,8 @@ def _start_liveness(config: RtpConfig, ps: ParallelState, pids: list[int]) -> tu
     heartbeat.start()
     # A replica's coordinator (rank 0 without data parallelism) owns its channel and times its steps;
     # every rank watches every other rank of its node, whichever replica it belongs to.
-    coordinator = ps.tp_rank == 0
-    leader = ps.dp_rank * ps.tp_size if ps.dp_size > 1 else ps.node_leader
+    coordinator = ps.rank == ps.coordinator_rank
+    leader = ps.coordinator_rank if ps.dp_size > 1 else ps.node_leader
     on_failure = _exit_at_startup if coordinator else WorkerExit(ps.rank, leader)
     local = set(ps.local_ranks)
     watchdog = Watchdog(
@@ -140,7 +143,9 @@ def _exit_at_startup(failure: Failure) -> None:
 def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int], heartbeat: Heartbeat,
            watchdog: Watchdog, step_delay: StepDelay | None) -> Runtime:
     """Build this rank's replica on ``ps`` (its replica view; ``pids`` by its rank in it)."""
-    if ps.world_size > 1 and ps.num_nodes == 1 and ps.device.type == "cpu" and shm_allreduce.supported():
+    # (Pipeline stages: each stage's TP group runs its collectives on gloo; the segment spans the whole node.)
+    if (ps.world_size > 1 and ps.num_nodes == 1 and ps.pp_size == 1 and ps.device.type == "cpu"
+            and shm_allreduce.supported()):
         # Layers' all-reduces and the logits gather go through shared memory instead of gloo.
         # Lost peers fail a collective through the heartbeat and should_abort; the last-resort timeout
         # comes after the stuck-step bound, so a slow step is reported as stuck, with stacks.

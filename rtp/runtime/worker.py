@@ -3,6 +3,9 @@
 With several nodes, the leader of every node but rank 0's receives the plans
 from rank 0 over the leaders' gloo group (:class:`rtp.distributed.step_relay.StepRelay`)
 and republishes them on its node's channel, which it owns.
+
+With pipeline stages a worker runs only its stage's part of each plan (``runner.execute``
+receives and sends the hidden states point-to-point); every rank still reads every plan.
 """
 
 from __future__ import annotations

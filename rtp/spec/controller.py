@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from rtp.config.sections import SpeculativeConfig
 from rtp.core.sequence import Sequence
 from rtp.log import get_logger
-from rtp.spec.ngram import ngram_propose
+from rtp.spec.proposer import NgramProposer, Proposer
 
 logger = get_logger(__name__)
 
@@ -60,14 +60,13 @@ class _SeqAcceptance:
 
 
 class SpecController:
-    """Rank 0's draft policy for one engine (n-gram proposer)."""
+    """Rank 0's draft policy for one engine; ``proposer`` makes the drafts (default: n-gram lookup)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        assert config.method == "ngram", "only the ngram proposer is implemented"
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
         assert config.num_speculative_tokens is not None
         self.config = config
         self.k = config.num_speculative_tokens
-        self.min_n, self.max_n = config.lookup_range
+        self.proposer: Proposer = proposer or NgramProposer(*config.lookup_range)
         self.max_model_len = max_model_len
         self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
         self._acceptance: dict[int, _SeqAcceptance] = {}
@@ -77,13 +76,15 @@ class SpecController:
     def propose(self, running: list[Sequence], can_draft: Callable[[Sequence], bool]) -> dict[int, list[int]]:
         """Drafts for the decoding sequences of ``running`` that may draft now: seq_id -> tokens (non-empty)."""
         self._step += 1
+        self.proposer.sync(running)
         limit = self.config.disable_by_batch_size
         if not running or (limit is not None and len(running) > limit):
             return {}
         if len(self._acceptance) > 2 * len(running) + 64:  # forget sequences that left
             live = {s.seq_id for s in running}
             self._acceptance = {i: a for i, a in self._acceptance.items() if i in live}
-        out: dict[int, list[int]] = {}
+        seqs: list[Sequence] = []
+        rooms: list[int] = []
         for seq in running:
             num_tokens = len(seq.token_ids)
             if seq.num_computed_tokens != num_tokens - 1 or seq.needs_prompt_logits:
@@ -100,10 +101,12 @@ class SpecController:
                 continue
             if not can_draft(seq):
                 continue
-            draft = ngram_propose(seq.token_ids, self.min_n, self.max_n, room)
-            if draft:
-                out[seq.seq_id] = draft
-        return out
+            seqs.append(seq)
+            rooms.append(room)
+        if not seqs:
+            return {}
+        drafts = self.proposer.propose(seqs, rooms)
+        return {seq.seq_id: d[:room] for seq, d, room in zip(seqs, drafts, rooms) if d}
 
     def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """One sequence verified ``num_drafted`` drafts this step and accepted the first ``num_accepted``."""

@@ -700,3 +700,34 @@ def test_prompt_logprob_positions_per_step_are_capped() -> None:
 def test_prompt_logit_rows_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="max_prompt_logit_rows"):
         SchedulerLimits(4, 64, 64, 4, 32, True, max_prompt_logit_rows=0)
+
+
+def test_steps_in_flight_schedule_disjoint_sequences_and_never_preempt_busy_ones() -> None:
+    """Pipeline stages: two steps outstanding; a sequence in one is neither in the other nor preempted by it."""
+    sched, world = make(block_size=2, num_blocks=8, budget=32, max_model_len=32)
+    seqs = [seq(i, [1 + i, 2, 3], max_tokens=10, ignore_eos=True) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    in_flight: list[ScheduleResult] = []
+    busy: set[int] = set()
+    steps = 0
+    while sched.has_unfinished():
+        assert steps < 200, "no progress"
+        steps += 1
+        result = sched.schedule(busy=busy, max_seqs=2)
+        ids = {s.seq_id for s in result.seqs}
+        assert not ids & busy, "a sequence in flight was scheduled again"
+        assert len(ids) <= 2
+        for s in seqs:
+            if s.seq_id in busy:
+                assert s.status is SequenceStatus.RUNNING, "a sequence in flight was preempted"
+        if result.seqs:
+            world.apply(result)
+            in_flight.append(result)
+            busy |= ids
+        if in_flight and (len(in_flight) == 2 or not result.seqs):
+            done = in_flight.pop(0)  # outputs come back in the order the steps were sent
+            busy -= {s.seq_id for s in done.seqs}
+            sched.postprocess(done, [7] * sum(done.needs_sample))
+    assert all(s.num_completion_tokens == 10 for s in seqs)
+    assert sched.stats.num_preemptions > 0  # 8 blocks of 2 for 3 x 13 tokens: the cache ran out

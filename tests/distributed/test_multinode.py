@@ -3,7 +3,8 @@
 Node 1 runs inside ``unshare --uts --mount --pid --fork --mount-proc`` with
 its own hostname and a private tmpfs on /dev/shm, so the two nodes share no
 shared memory, no pids and no hostname: only the loopback network joins them,
-as the network joins two machines. Two ranks per node, TP = 4, gloo on CPU.
+as the network joins two machines. Two ranks per node, TP = 4 (or TP = 2 x PP = 2, a pipeline
+stage per node), gloo on CPU.
 
 - greedy output of a batch of mixed-length prompts equals HF transformers and
   single-node TP = 4, token for token;
@@ -11,7 +12,9 @@ as the network joins two machines. Two ranks per node, TP = 4, gloo on CPU.
   processes exit non-zero within the liveness bound, naming a lost rank and
   its host, and leave nothing in /dev/shm;
 - SIGKILL of every node-0 process: node 1's ranks and torchrun exit on their
-  own within the bound, and node 1's private /dev/shm is empty afterwards.
+  own within the bound, and node 1's private /dev/shm is empty afterwards;
+- pipeline stages across the nodes (TP = 2 in each, PP = 2): greedy equals HF, and losing
+  either node ends the other within the bound, naming the lost rank and its host.
 """
 
 from __future__ import annotations
@@ -236,3 +239,56 @@ def test_losing_node0_stops_node1(two_nodes, long_job):
     host = re.escape(socket.gethostname())
     assert re.search(rf"rank [01] \(pid \d+ on host {host}\) was lost: no heartbeat from its node", out), out[-3000:]
     assert re.search(r"NODE1 rc=[1-9]\d* shm=\[\]", out), out[-2000:]  # node 1's private /dev/shm is empty
+
+
+# Pipeline parallelism across the two nodes: TP = 2 inside each node, stage 0 on node 0, stage 1 on node 1.
+PP_ACROSS = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
+
+
+def test_pipeline_across_nodes_greedy_equals_hf(tmp_path, two_nodes):
+    model = default_model_dir()
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in LENGTHS]
+    lines = [{"prompt_token_ids": p, "temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+             for p in prompts]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = ["--config", str(config(tmp_path, max_num_batched_tokens=48, **PP_ACROSS)),
+            "--prompts-file", str(tmp_path / "in.jsonl")]
+    run = two_nodes(*args)
+    rcs = [run.wait(0, 240), run.wait(1, 60)]
+    assert rcs == [0, 0], f"node 0:\n{run.output[0][-3000:]}\nnode 1:\n{run.output[1][-3000:]}"
+    assert "NODE1 rc=0 shm=[]" in run.output[1], run.output[1][-2000:]
+    two = [json.loads(x)["token_ids"] for x in (tmp_path / "out0.jsonl").read_text().splitlines()]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert two == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("lost", [1, 0])
+def test_pipeline_across_nodes_losing_a_node_stops_the_other(tmp_path, two_nodes, lost):
+    prompts = tmp_path / "long.jsonl"
+    line = {"prompt": "Once upon a time", "max_tokens": 1900, "ignore_eos": True, "temperature": 0.0}
+    prompts.write_text((json.dumps(line) + "\n") * 4)
+    run = two_nodes("--config", str(config(tmp_path, liveness_timeout_s=LIVENESS_S, **PP_ACROSS)),
+                    "--prompts-file", str(prompts))
+    run.wait_for(0, "generate:")
+    pids = dict(run.rank_pids)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    run.kill_node1() if lost == 1 else run.kill_node0()
+    survivor = 1 - lost
+    rc = run.wait(survivor, BOUND_S + 30)
+    elapsed = time.monotonic() - t0
+    out = run.output[survivor]
+    assert rc != 0
+    assert elapsed < BOUND_S, f"node {survivor} took {elapsed:.1f} s:\n{out[-3000:]}"
+    host = NODE1 if lost == 1 else re.escape(socket.gethostname())
+    ranks = "[23]" if lost == 1 else "[01]"
+    assert re.search(rf"rank {ranks} \(pid \d+ on host {host}\) was lost", out), out[-3000:]
+    if lost == 1:
+        assert not any(pid_alive(p) for p in pids.values()), "node 0 ranks outlived the run"
+        assert not rtp_segments(pids.values()), "node 0 left a shared-memory segment behind"
+    else:
+        assert re.search(r"NODE1 rc=[1-9]\d* shm=\[\]", out), out[-2000:]  # node 1's private /dev/shm is empty

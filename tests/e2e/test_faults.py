@@ -274,3 +274,21 @@ def test_bad_setup_gives_one_clear_error_and_every_rank_fails(tmp_path, nproc, a
     # torchrun prints its own summary traceback; none may come from rtp.
     for ours in ("rtp", "launch"):
         assert f'File "{REPO / ours}' not in run.output, run.output[-3000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_lost_pipeline_stage_ends_the_run(long_job, tmp_path, sig):
+    # PP=2 on 2 ranks: rank 1 is the whole last stage, and rank 0 waits on it point-to-point.
+    run = long_job(config_file(tmp_path, liveness_timeout_s=LIVENESS_S, pipeline_parallel_size=2))
+    pids = run.rank_pids()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    os.kill(pids[1], sig)
+    rc = run.wait(timeout=LIVENESS_S + 30)
+    elapsed = time.monotonic() - t0
+    assert rc != 0
+    assert elapsed < LIVENESS_S + 5, f"took {elapsed:.1f} s:\n{run.output[-3000:]}"
+    what = "died" if sig == signal.SIGKILL else "stopped responding"
+    assert re.search(rf"rank 1 \(pid {pids[1]}\) {what}", run.output), run.output[-3000:]
+    run.wait_gone(list(pids.values()), 5)
+    assert not segments_of(pids[0]), "the run's shared-memory segment was left behind"

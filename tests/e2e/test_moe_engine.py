@@ -35,7 +35,7 @@ def test_moe_shared_prefix_is_computed_once_and_output_is_unchanged(moe, tmp_pat
     second = [prefix + suffix() for _ in range(3)]
     (tmp_path / "prompts.json").write_text(json.dumps([first, second]))
     (tmp_path / "c.yaml").write_text(
-        f"model: {path}\ndevice: cpu\nblock_size: 16\nnum_kv_blocks: 128\nenable_prefix_caching: true\n"
+        f"model: {path}\ndevice: cpu\ndtype: float32\nblock_size: 16\nnum_kv_blocks: 128\nenable_prefix_caching: true\n"
     )
     torchrun(PREFIX_WORKER, 2, str(tmp_path / "c.yaml"), str(tmp_path / "prompts.json"), str(tmp_path / "out.json"))
     a, b = json.loads((tmp_path / "out.json").read_text())

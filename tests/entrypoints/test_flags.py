@@ -88,6 +88,19 @@ def test_tensor_parallel_size_sets_the_rank_count():
     assert ranks_to_start("rtp.entrypoints.serve", args) == 1  # cpu.yaml leaves tensor_parallel_size null
 
 
+def test_pipeline_parallel_size_multiplies_the_rank_count():
+    from rtp.errors import RtpError
+    from rtp.launcher import ranks_to_start
+
+    args = serve.parse_args(["-tp", "2", "--pipeline-parallel-size", "2", "--pipeline-layer-partition", "1,1"])
+    args.nproc_per_node = None
+    assert ranks_to_start("rtp.entrypoints.serve", args) == 4
+    assert config_of(["-pp", "2", "--pipeline-layer-partition", "3,1"]).parallel.pipeline_layer_partition == (3, 1)
+    args.nproc_per_node = 2
+    with pytest.raises(RtpError, match="--nproc-per-node 2 and --tensor-parallel-size 2 x --pipeline-parallel-size 2"):
+        ranks_to_start("rtp.entrypoints.serve", args)
+
+
 def test_speculative_config_flag_is_json_and_its_errors_name_the_key():
     c = config_of(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
     assert (c.speculative_config.method, c.speculative_config.num_speculative_tokens) == ("ngram", 3)

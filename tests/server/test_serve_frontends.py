@@ -213,7 +213,10 @@ def test_sigterm_lets_short_requests_finish_and_exits_0(servers):
         time.sleep(0.02)
     frontends = frontend_pids(server.rank0_pid)
     os.kill(server.rank0_pid, signal.SIGTERM)
-    rc = server.proc.wait(GRACE_S + 30)
+    try:
+        rc = server.proc.wait(GRACE_S + 30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"no exit {GRACE_S + 30:.0f} s after SIGTERM:\n{server.text()[-6000:]}")
     for t in threads:
         t.join(10)
     assert rc == 0, server.text()[-4000:]

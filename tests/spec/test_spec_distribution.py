@@ -1,4 +1,6 @@
-"""Sampled speculative decoding keeps the target's distribution: a chi-square test of homogeneity.
+"""Sampled speculative decoding keeps the target's distribution: a chi-square test of homogeneity, for
+n-gram drafts and for a draft model's (the target as its own draft: greedy drafts of the unpenalised
+logits, so the penalties and the temperature make the target reject many of them).
 
 A small vocabulary (six allowed tokens of the random tiny Qwen3), temperature 1, top-p 0.9, presence and
 repetition penalties, a repetitive prompt and ``prompt_lookup_min = 1``, so most steps verify drafts and
@@ -11,6 +13,7 @@ run in a thousand; this one is deterministic, the unseeded draws come from the e
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rtp.config import SpeculativeConfig
@@ -44,22 +47,33 @@ def histograms(outputs: list) -> list[list[int]]:
     return counts
 
 
-def test_chi_square_token_distribution_with_and_without_speculation():
+PROMPT = [10, 11, 12] * 4
+
+
+def params(seed: int | None) -> SamplingParams:
+    return SamplingParams(temperature=0.7, top_p=0.9, frequency_penalty=0.7, repetition_penalty=1.2,
+                          allowed_token_ids=ALLOWED, max_tokens=LENGTH, ignore_eos=True, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def without_speculation() -> list[list[int]]:
+    plain = make_engine(default_model_dir(), max_num_seqs=32, budget=512, blocks=256)
+    return histograms(run(plain, [(PROMPT, params(i)) for i in range(N)]))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_chi_square_token_distribution_with_and_without_speculation(without_speculation, method):
     model = default_model_dir()
-    prompt = [10, 11, 12] * 4
-
-    def params(seed: int | None) -> SamplingParams:
-        return SamplingParams(temperature=0.7, top_p=0.9, frequency_penalty=0.7, repetition_penalty=1.2,
-                              allowed_token_ids=ALLOWED, max_tokens=LENGTH, ignore_eos=True, seed=seed)
-
-    plain = make_engine(model, max_num_seqs=32, budget=512, blocks=256)
-    want = run(plain, [(prompt, params(i)) for i in range(N)])
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
-                             disable_by_batch_size=None, min_acceptance_rate=0.0)
+    if method == "ngram":
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
+                                 disable_by_batch_size=None, min_acceptance_rate=0.0)
+    else:
+        spec = SpeculativeConfig(method="draft_model", model=str(model), num_speculative_tokens=3,
+                                 disable_by_batch_size=None, min_acceptance_rate=0.0)
     engine = make_engine(model, spec, max_num_seqs=32, budget=512, blocks=256)
-    got = run(engine, [(prompt, params(None)) for _ in range(N)])
+    got = run(engine, [(PROMPT, params(None)) for _ in range(N)])
     stats = engine.stats()
     assert stats["spec_num_accepted_tokens"] > 100  # drafts were accepted ...
     assert stats["spec_num_draft_tokens"] - stats["spec_num_accepted_tokens"] > 100  # ... and rejected
-    p_values = [chi_square_p(a, b) for a, b in zip(histograms(want), histograms(got))]
+    p_values = [chi_square_p(a, b) for a, b in zip(without_speculation, histograms(got))]
     assert min(p_values) > ALPHA / LENGTH, p_values

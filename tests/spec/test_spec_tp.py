@@ -1,5 +1,6 @@
-"""Speculative decoding at TP = 2 (torchrun, gloo): greedy output equals HF transformers', with chunked
-prefill and preemption, and the worker rank's mirror follows every rollback of rejected drafts."""
+"""Speculative decoding at TP = 2 (torchrun, gloo), n-gram and draft model: greedy output equals HF
+transformers', with chunked prefill and preemption, and the worker rank's mirror follows every rollback
+of rejected drafts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rtp.testing import default_model_dir
+from tests.spec.drafts import noisy_draft
 from tests.utils import WORKERS, hf_greedy, torchrun
 
 WORKER = WORKERS / "spec_decode.py"
@@ -31,3 +33,23 @@ def test_tp2_greedy_with_ngram_drafts_equals_hf(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
     assert out["tokens"] == [hf_greedy(hf, p, 32) for p in prompts]
     assert out["stats"]["spec_num_accepted_tokens"] > 0 and out["stats"]["num_preemptions"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tp2_greedy_with_a_draft_model_equals_hf(tmp_path):
+    """The draft runs on rank 0 alone (draft_tensor_parallel_size 1) beside a target split over 2 ranks."""
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 40, 70, 23)]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    (tmp_path / "c.yaml").write_text(
+        f"model: {default_model_dir()}\ndevice: cpu\ndtype: float32\nblock_size: 16\nnum_kv_blocks: 10\n"
+        f"max_num_batched_tokens: 20\nspeculative_config:\n  method: draft_model\n  model: {noisy_draft()}\n"
+        "  num_speculative_tokens: 3\n  draft_tensor_parallel_size: 1\n  min_acceptance_rate: 0.0\n")
+    torchrun(WORKER, 2, str(tmp_path / "c.yaml"), str(tmp_path / "prompts.json"), str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    assert out["tokens"] == [hf_greedy(hf, p, 32) for p in prompts]
+    stats = out["stats"]
+    assert stats["num_preemptions"] > 0
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]  # accepted and rejected drafts

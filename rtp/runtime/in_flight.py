@@ -1,0 +1,63 @@
+"""Rank 0 with pipeline stages: several steps in flight, so that every stage has work.
+
+A step's plan goes to every rank as usual; rank 0 runs the first stage's part
+(:meth:`ModelRunner.submit`) and, while later stages work on it, schedules the
+next step over the requests that are not in flight. The last stage's logits of
+the oldest step come back (:meth:`ModelRunner.collect`) once ``depth`` steps are
+in flight or nothing else can be scheduled; that step is then sampled,
+postprocessed and output exactly as a step of the plain engine loop, so the
+tokens are the same ones (greedy: token for token).
+
+A request in flight is neither scheduled nor preempted until its step returns
+(the scheduler's ``busy`` set), and an abort of one waits for its step. Each
+step takes at most an even share (1 / depth) of the live sequences. Every
+stage runs the plans in the order rank 0 sent them, so a block freed by a later
+plan is only reused after the earlier plans that wrote it have run there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from rtp.core.scheduler import ScheduleResult
+from rtp.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from rtp.runtime.engine import Engine
+
+
+class InFlightSteps:
+    """Up to ``depth`` scheduled steps whose outputs have not come back from the last stage yet."""
+
+    def __init__(self, engine: Engine, depth: int) -> None:
+        self.engine, self.depth = engine, depth
+        self.queue: deque[ScheduleResult] = deque()  # oldest first: outputs return in this order
+        self.num_overlapped = 0
+        """Steps submitted while another one was in flight (the pipelining that happened)."""
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and submit one more step if there is room and work, else collect the oldest one."""
+        e = self.engine
+        changed = e.drain_inbox()
+        submitted = False
+        if len(self.queue) < self.depth:
+            sched = e.scheduler
+            # An even share of the live sequences per step in flight, so the steps keep every stage busy.
+            live = len(sched.running) + sched.stats.num_waiting
+            result = sched.schedule(busy=e.busy, max_seqs=max(1, -(-live // self.depth)))
+            plan = result.plan
+            if plan.new_seqs or plan.cached_seqs or plan.freed_seq_ids:
+                e.transport(plan)
+                e.runner.submit(plan)
+                self.queue.append(result)
+                e.busy.update(seq.seq_id for seq in result.seqs)
+                self.num_overlapped += len(self.queue) > 1
+                submitted = True
+        if self.queue and (not submitted or len(self.queue) >= self.depth):
+            result = self.queue.popleft()
+            out = e.runner.collect()
+            for seq in result.seqs:
+                e.busy.discard(seq.seq_id)
+            e.finish_step(result, out, changed)
+        return changed

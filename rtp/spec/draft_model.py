@@ -1,0 +1,198 @@
+"""Draft-model proposer: a small Qwen3 with the target's tokenizer drafts ``k`` tokens greedily on rank 0.
+
+Where it runs. On rank 0 alone, unsharded (``draft_tensor_parallel_size: 1``), on rank 0's device,
+before the step is scheduled; its drafts travel to the other ranks inside the step plan exactly as
+n-gram drafts do, so workers know nothing of it and TP 1 and TP 2 are one code path. The cost: the
+draft's weights and KV cache live on rank 0 only (the target's KV cache is sized before the draft
+loads, so on a GPU rank 0 needs that room beyond ``gpu_memory_utilization``), and the other ranks
+wait while rank 0 drafts (``k`` draft forward passes per step). Sharding the draft like the target
+would split that work but needs a draft phase in the wire format and in the workers' loop.
+
+Proposals. Drafts are the draft model's argmax, a deterministic function of the context, and the
+verifier (:mod:`rtp.spec.verify`) treats every draft as a point-mass proposal: it accepts ``d`` with
+the target's probability ``p(d)`` and otherwise samples from ``p`` without ``d``, renormalised. That is
+Leviathan et al.'s rejection sampling with ``q = delta(d)``, so greedy and sampled requests keep
+exactly the target's outputs and distribution, whatever the draft model is; a sampled draft (a ``q``
+that is not a point mass) would need ``q`` itself in the verifier, for no gain in exactness.
+
+KV cache. The draft has its own paged cache (its own layers' tensors, its own few KV bytes per
+block) indexed by the target's block ids: a sequence's ``block_table`` on rank 0 addresses both. It
+holds ``num_blocks`` blocks like the target's, plus ``scratch = ceil(k / block_size) + 1`` blocks per
+drafting sequence (at most ``disable_by_batch_size`` of them) for the draft positions past the
+sequence's allocated blocks (the scheduler allocates those only after the proposal; with flash-attn's
+256-token blocks that is 2 blocks of 256 per drafting sequence). Per sequence the proposer keeps
+``_computed[seq_id]``, the positions whose draft KV it has written itself for the sequence's current
+blocks. Each proposal first catches up on positions
+``[_computed, L)`` (``L`` known tokens: the prompt on its first draft, the accepted tokens since its
+last one), then runs ``k - 1`` one-token steps. Afterwards only positions below ``L`` in real blocks
+count as computed: the drafts' own KV (rejected or not) is recomputed next time, over the
+positions the verification kept, so a rejected draft's KV is simply overwritten, as the target's.
+
+A sequence that leaves ``running`` (finished, aborted, or preempted: its blocks freed, and after its
+readmission possibly other blocks or prefix-cache hits whose target KV exists but whose draft KV does
+not) is forgotten at the next step's ``sync``, so it starts again from position 0. Preemption only
+happens inside ``schedule()``, which never readmits in the same call, so a preempted sequence is
+always out of ``running`` at one ``sync`` at least. Prefix-cache hits and forks are new sequence ids:
+they start from 0 too (the draft prefills their cached prefix; it writes the same values into shared
+blocks, which hold the same tokens).
+
+CUDA graphs: none for the draft (eager on every device); the GPU path only needs the attention
+backends the target uses, which stay importable without a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rtp.config import RtpConfig
+from rtp.core.sequence import Sequence
+from rtp.distributed.parallel import ParallelState
+from rtp.errors import RtpError
+from rtp.log import get_logger
+from rtp.model.attention import AttnMetadata, choose_attn_backend
+from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block
+from rtp.runtime.model_runner import ModelRunner, load_model
+from rtp.spec.draft_check import check_draft_model
+
+logger = get_logger(__name__)
+
+
+class DraftModelProposer:
+    """Greedy drafts from a small Qwen3 on rank 0 (see the module docstring)."""
+
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, *, block_size: int,
+                 num_blocks: int, max_batch: int, k: int, max_positions: int, max_pass_tokens: int) -> None:
+        """Load the draft from ``model_dir`` and give it a cache of the target's ``num_blocks`` blocks of
+        ``block_size`` plus scratch blocks for ``max_batch`` drafting sequences; a catch-up forward pass
+        computes at most ``max_pass_tokens`` tokens."""
+        self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
+        self.max_pass_tokens = max(1, max_pass_tokens)
+        self.model, _ = load_model(model_dir, ParallelState.single(device), dtype, max_positions)
+        layers = self.model.attention_layers()
+        backend = choose_attn_backend(device, dtype)
+        for attn in layers:
+            attn.backend = backend
+        # Draft positions L .. L + k - 2 may lie past the allocated blocks (which cover >= L - 1 positions).
+        self.scratch = -(-k // block_size) + 1
+        self.max_batch = max_batch
+        total = num_blocks + max_batch * self.scratch
+        need = bytes_per_block(layers, block_size, dtype) * total
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            if need > free:
+                raise RtpError(
+                    f"the draft model's KV cache needs {need / 2**30:.2f} GiB on rank 0 and {free / 2**30:.2f} GiB "
+                    "is free: lower cache.gpu_memory_utilization (the target's cache is sized without the draft)")
+        allocate_kv_cache(layers, total, block_size, dtype, device)
+        logger.info("draft model %s: %d layers, KV cache of %d + %d scratch blocks (%.1f MiB) on rank 0",
+                    model_dir, self.model.spec.num_layers, num_blocks, total - num_blocks, need / 2**20)
+        self._computed: dict[int, int] = {}  # seq_id -> positions whose draft KV is in its current blocks
+
+    @classmethod
+    def for_target(cls, config: RtpConfig, runner: ModelRunner, model_dir: Path) -> DraftModelProposer:
+        """The draft of ``config.speculative_config`` beside rank 0's ``runner`` of the target in ``model_dir``
+        (checked first)."""
+        spec = config.speculative_config
+        check_draft_model(spec, model_dir, runner.ps.tp_size)
+        assert spec.model is not None and spec.num_speculative_tokens is not None
+        k = spec.num_speculative_tokens
+        # The controller drafts for at most disable_by_batch_size sequences at once: scratch rows for those.
+        max_batch = min(config.scheduler.max_num_seqs, spec.disable_by_batch_size or config.scheduler.max_num_seqs)
+        return cls(Path(spec.model).expanduser(), runner.ps.device, runner.dtype, block_size=runner.block_size,
+                   num_blocks=runner.num_blocks, max_batch=max_batch, k=k,
+                   max_positions=runner.max_model_len + k, max_pass_tokens=config.scheduler.max_num_batched_tokens)
+
+    def num_computed(self, seq_id: int) -> int:
+        """Positions of ``seq_id`` whose draft KV the proposer holds (0 for a sequence it does not know)."""
+        return self._computed.get(seq_id, 0)
+
+    def sync(self, running: list[Sequence]) -> None:
+        """Forget the sequences no longer running (finished, aborted, preempted)."""
+        if self._computed:
+            live = {s.seq_id for s in running}
+            self._computed = {i: n for i, n in self._computed.items() if i in live}
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
+        """``rooms[i]`` greedy draft tokens for each decoding sequence ``seqs[i]``."""
+        bs = self.block_size
+        assert len(seqs) <= self.max_batch, (len(seqs), self.max_batch)
+        tables = [np.array(s.block_table + [self.num_blocks + b * self.scratch + j for j in range(self.scratch)],
+                           dtype=np.int64) for b, s in enumerate(seqs)]
+        lengths = [len(s.token_ids) for s in seqs]
+        pos = [min(self._computed.get(s.seq_id, 0), n - 1) for s, n in zip(seqs, lengths)]
+        for b, (n, room) in enumerate(zip(lengths, rooms)):
+            assert n + room - 2 < len(tables[b]) * bs, "scratch blocks cover every draft position"
+        drafts: list[list[int]] = [[] for _ in seqs]
+        # Catch up on [computed, L) in passes of at most max_pass_tokens tokens; the pass that reaches a
+        # sequence's last known token gives its first draft.
+        while True:
+            chunks: list[tuple[int, int, list[int]]] = []  # (batch row, first position, tokens)
+            left = self.max_pass_tokens
+            for b, seq in enumerate(seqs):
+                if pos[b] < lengths[b] and left > 0:
+                    n = min(lengths[b] - pos[b], left)
+                    chunks.append((b, pos[b], seq.token_ids[pos[b] : pos[b] + n]))
+                    left -= n
+            if not chunks:
+                break
+            wanted = [start + len(toks) == lengths[b] for b, start, toks in chunks]
+            tokens = iter(self._forward(chunks, tables, wanted, seqs))
+            for (b, start, toks), want in zip(chunks, wanted):
+                pos[b] = start + len(toks)
+                if want:
+                    drafts[b].append(next(tokens))
+        for i in range(1, max(rooms)):
+            chunks = [(b, lengths[b] + i - 1, [drafts[b][-1]]) for b in range(len(seqs)) if rooms[b] > i]
+            for (b, _, _), tok in zip(chunks, self._forward(chunks, tables, [True] * len(chunks), seqs)):
+                drafts[b].append(tok)
+        for seq, n in zip(seqs, lengths):
+            # Known tokens in real blocks have their draft KV now; draft positions never count.
+            self._computed[seq.seq_id] = min(n, len(seq.block_table) * bs)
+        return drafts
+
+    def _forward(self, chunks: list[tuple[int, int, list[int]]], tables: list[np.ndarray],
+                 wanted: list[bool], seqs: list[Sequence]) -> list[int]:
+        """One draft forward pass over ``chunks`` (writing their KV); the argmax after each wanted chunk,
+        among the request's ``allowed_token_ids`` when it has them (other drafts would be rejected)."""
+        bs, dev = self.block_size, self.device
+        q = np.array([len(toks) for _, _, toks in chunks], dtype=np.int64)  # [B]
+        start = np.array([s for _, s, _ in chunks], dtype=np.int64)  # [B]
+        end = start + q  # [B] keys per chunk
+        owner = np.repeat(np.arange(len(chunks)), q)  # [T] chunk of each flat token
+        cu_q = np.add.accumulate(q)  # [B]
+        positions = start[owner] + np.arange(int(cu_q[-1])) - (cu_q - q)[owner]  # [T]
+        width = int(-(-end.max() // bs))  # blocks the longest chunk reads
+        table = np.zeros((len(chunks), width), dtype=np.int64)  # [B, width]
+        for i, (b, _, _) in enumerate(chunks):
+            row = tables[b][:width]
+            table[i, : len(row)] = row
+        slots = table[owner, positions // bs] * bs + positions % bs  # [T]
+        ids = np.concatenate([np.asarray(toks, dtype=np.int64) for _, _, toks in chunks])  # [T]
+        cu = np.zeros((2, len(chunks) + 1), dtype=np.int32)  # [2, B + 1]: query and key offsets
+        cu[0, 1:], cu[1, 1:] = cu_q, np.add.accumulate(end)
+        cu_t = torch.from_numpy(cu).to(dev)
+        meta = AttnMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev), cu_seqlens_q=cu_t[0], cu_seqlens_k=cu_t[1],
+            context_lens=torch.from_numpy(end.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(table.astype(np.int32)).to(dev),
+            max_seqlen_q=int(q.max()), max_seqlen_k=int(end.max()), q_lens=q.tolist(), k_lens=end.tolist(),
+        )
+        hidden = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta)  # [T, H]
+        rows = (cu_q - 1)[np.asarray(wanted, dtype=bool)]  # [R] last token of each wanted chunk
+        if len(rows) == 0:
+            return []
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(dev)])  # [R, vocab]
+        assert logits is not None, "an unsharded draft always has its logits"
+        owners = [b for (b, _, _), want in zip(chunks, wanted) if want]  # [R] batch row of each logits row
+        for r, b in enumerate(owners):
+            allowed = seqs[b].params.allowed_token_ids
+            if allowed is not None:
+                keep = torch.tensor(allowed, device=logits.device)
+                masked = torch.full_like(logits[r], float("-inf"))
+                masked[keep] = logits[r, keep]
+                logits[r] = masked
+        return logits.argmax(dim=-1).tolist()
