@@ -54,6 +54,9 @@ def build(prefix: str, source: str, functions: list[str], extra_cflags: tuple[st
         key = f"{source}|{cflags}|{torch.__version__}|{Path(torch.__file__).parent}"
         digest = hashlib.sha256(key.encode()).hexdigest()[:10]
         name = f"rtp_{prefix}_{digest}_{_cpu_tag()}"
+        built = _import_built(name)
+        if built is not None:
+            return built
         _remove_stale_build_lock(name)
         logger.info("loading the CPU %s kernel (built on first use, about a minute)", prefix.replace("_", " "))
         return load_inline(
@@ -67,6 +70,29 @@ def build(prefix: str, source: str, functions: list[str], extra_cflags: tuple[st
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: all mean "use torch"
         logger.warning("CPU %s kernel unavailable (%s); using the slower torch path", prefix.replace("_", " "),
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return None
+
+
+def _import_built(name: str) -> ModuleType | None:
+    """The extension ``name`` if a finished build of it is in the cache, imported without torch's loader.
+
+    torch's loader takes a lock file in the build folder on every load, built or not, and waits for
+    it forever: a process killed while holding it (a rank killed during start-up) would hang every
+    later run on this machine. ``name`` carries a digest of the source and flags, so a library file
+    under it is always the right build; a broken one (a build killed while linking) fails to import,
+    is removed, and the loader builds it again.
+    """
+    from torch.utils.cpp_extension import _get_build_directory, _import_module_from_library
+
+    folder = _get_build_directory(name, verbose=False)
+    library = Path(folder) / f"{name}.so"
+    if not library.is_file():
+        return None
+    try:
+        return _import_module_from_library(name, folder, True)
+    except Exception as e:  # noqa: BLE001 - fall back to torch's loader, which rebuilds
+        logger.warning("cached CPU kernel %s does not import (%s); building it again", name, e)
+        library.unlink(missing_ok=True)
         return None
 
 
