@@ -53,14 +53,38 @@ def stage_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | Non
     return ranges
 
 
+class PendingSends:
+    """Asynchronous sends in flight, with the buffers they read (kept alive until the send completes)."""
+
+    def __init__(self) -> None:
+        self._sends: list[tuple[dist.Work | None, torch.Tensor]] = []
+        self.bytes_sent = 0
+        """Bytes of every send started, for benchmarks."""
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        """Start sending ``t`` (contiguous) to global rank ``dst``."""
+        self._sends.append((dist.isend(t, dst, tag=tag), t))
+        self.bytes_sent += t.numel() * t.element_size()
+
+    def wait(self) -> None:
+        """Wait until every send started has completed (its buffers may then go)."""
+        for work, _ in self._sends:
+            if work is not None:
+                work.wait()
+        self._sends.clear()
+
+
 class StageLink:
     """This rank's ends of the links to the previous and the next pipeline stage."""
 
     def __init__(self, ps: ParallelState) -> None:
         self.ps = ps
-        self.bytes_sent = 0
+        self._sends = PendingSends()
+
+    @property
+    def bytes_sent(self) -> int:
         """Bytes this rank has sent to the next stage (hidden-state slices), for benchmarks."""
-        self._pending: list[tuple[dist.Work | None, torch.Tensor]] = []  # sends in flight and their buffers
+        return self._sends.bytes_sent
 
     def _slices(self, numel: int) -> int:
         """Elements of one TP rank's slice of a flattened tensor of ``numel`` (padded to a multiple of TP)."""
@@ -78,9 +102,7 @@ class StageLink:
         take = max(0, min(n, flat.numel() - start))
         if take:
             part[:take] = flat[start : start + take]
-        dst = ps.stage_rank(ps.pp_rank + 1, ps.tp_rank)
-        self._pending.append((dist.isend(part, dst, tag=0), part))
-        self.bytes_sent += part.numel() * part.element_size()
+        self._sends.isend(part, ps.stage_rank(ps.pp_rank + 1, ps.tp_rank), tag=0)
 
     def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         """The previous stage's hidden states [num_tokens, hidden_size], all-gathered over this stage's TP group."""
@@ -97,7 +119,4 @@ class StageLink:
 
     def wait_sends(self) -> None:
         """Wait until every send this rank started has completed (its buffers may then go)."""
-        for work, _ in self._pending:
-            if work is not None:
-                work.wait()
-        self._pending.clear()
+        self._sends.wait()

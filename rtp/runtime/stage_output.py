@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rtp.distributed.parallel import ParallelState
+from rtp.distributed.pipeline import PendingSends
 
 _TAG = 1  # the hidden states travel with tag 0
 
@@ -77,9 +78,7 @@ class StageOutputs:
     def __init__(self, ps: ParallelState) -> None:
         self.ps = ps
         self.last_leader = ps.stage_rank(ps.pp_size - 1)
-        self.bytes_sent = 0
-        """Bytes the last stage has sent rank 0, for benchmarks."""
-        self._pending: list[tuple[dist.Work | None, torch.Tensor]] = []
+        self._sends = PendingSends()
         self._expected: deque[RowPlan | None] = deque()  # rank 0: the rows of each step submitted
 
     def expect(self, rows: RowPlan | None) -> None:
@@ -88,13 +87,8 @@ class StageOutputs:
 
     def send(self, hidden: torch.Tensor) -> None:
         """Send one step's final hidden rows [R, hidden] to rank 0 (the last stage's TP rank 0)."""
-        for work, _ in self._pending:
-            if work is not None:
-                work.wait()
-        self._pending.clear()
-        t = hidden.contiguous()
-        self._pending.append((dist.isend(t, 0, tag=_TAG), t))
-        self.bytes_sent += t.numel() * t.element_size()
+        self._sends.wait()
+        self._sends.isend(hidden.contiguous(), 0, tag=_TAG)
 
     def recv(self, hidden_size: int, dtype: torch.dtype) -> tuple[RowPlan | None, torch.Tensor | None]:
         """Rank 0: the row plan and the final hidden rows [R, hidden] of the oldest step not received yet."""
