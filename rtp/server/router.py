@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from rtp.core.block_manager import hash_block
 from rtp.errors import RequestError
 
 
@@ -38,12 +39,12 @@ class PrefixRouter:
         self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
 
     def block_hashes(self, ids: list[int]) -> list[int]:
-        """The chained hash of each full block of ``ids``."""
+        """The chained hash of each full block of ``ids`` (the block manager's own)."""
         out: list[int] = []
-        h = 0
+        h: int | None = None
         bs = self.block_size
         for start in range(0, len(ids) - bs + 1, bs):
-            h = hash((h, tuple(ids[start : start + bs])))
+            h = hash_block(h, ids[start : start + bs])
             out.append(h)
         return out
 
