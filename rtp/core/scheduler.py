@@ -242,12 +242,17 @@ class Scheduler:
         return apply_verified_step(self, result, runs, forks)
 
     @property
+    def num_waiting(self) -> int:
+        """Sequences waiting to be admitted (forks included)."""
+        return len(self.waiting) + len(self._forked)
+
+    @property
     def stats(self) -> SchedulerStats:
         """Current gauges and cumulative counters."""
         bm = self.block_manager
         free = bm.num_free_blocks
         return SchedulerStats(
-            num_waiting=len(self.waiting) + len(self._forked),
+            num_waiting=self.num_waiting,
             num_running=len(self.running),
             num_blocks=bm.num_blocks,
             num_free_blocks=free,

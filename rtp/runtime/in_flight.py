@@ -44,7 +44,7 @@ class InFlightSteps:
         if len(self.queue) < self.depth:
             sched = e.scheduler
             # An even share of the live sequences per step in flight, so the steps keep every stage busy.
-            live = len(sched.running) + sched.stats.num_waiting
+            live = len(sched.running) + sched.num_waiting
             result = sched.schedule(busy=e.busy, max_seqs=max(1, -(-live // self.depth)))
             plan = result.plan
             if plan.new_seqs or plan.cached_seqs or plan.freed_seq_ids:
