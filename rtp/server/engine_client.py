@@ -78,7 +78,6 @@ class EngineClient:
                  names: list[str] | None = None) -> None:
         self.conns = [_EngineConn(i, s) for i, s in enumerate([sock, *(replicas or [])])]
         self._names = ["the engine process (rank 0)", *(names or [])]  # "... is gone"
-        self.sock = sock
         self.router = router
         if len(self.conns) > 1 and router is None:
             raise ValueError("several engines need a router")
