@@ -111,7 +111,8 @@ def child(args: argparse.Namespace) -> None:
     ps.all_reduce, ps.gather_to_driver, runner.submit = counting_all_reduce, counting_gather, counting_submit
     params = [rtp.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     prompts = [p for p, _ in reqs]
-    rtp.generate(prompts[:4], [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 4,
+    warm = prompts[:4]
+    rtp.generate(warm, [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * len(warm),
                  use_tqdm=False)  # warm-up
     for k in counts:
         counts[k] = 0

@@ -70,12 +70,13 @@ class ScheduleResult:
     needs_sample: list[bool] = field(default_factory=list)  # [B] a token is sampled for the sequence
     drafts: list[list[int]] | None = None  # [B] draft tokens each sequence verifies ([] for none); None: no drafts
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Append one sequence's share of the step (before its KV progress moves)."""
+    def add(self, seq: Sequence, num_new_tokens: int, ahead: int = 0) -> None:
+        """Append one sequence's share of the step (before its KV progress moves), which starts ``ahead``
+        tokens after its computed ones (the chunks of it in steps still in flight)."""
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
         # >=: a chunk with drafts reaches past the known tokens
-        self.needs_sample.append(seq.num_computed_tokens + num_new_tokens >= len(seq.token_ids))
+        self.needs_sample.append(seq.num_computed_tokens + ahead + num_new_tokens >= len(seq.token_ids))
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:

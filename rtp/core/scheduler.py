@@ -142,7 +142,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ steps
 
-    def schedule(self, drafts: dict[int, list[int]] | None = None, busy: set[int] | None = None,
+    def schedule(self, drafts: dict[int, list[int]] | None = None, busy: dict[int, int] | None = None,
                  max_seqs: int | None = None) -> ScheduleResult:
         """Plan the next step. The plan is empty (no tokens) when nothing can run.
 
@@ -152,10 +152,12 @@ class Scheduler:
         non-empty result to ``postprocess``, before the next call. Ids to free are only carried by
         non-empty plans, so an engine may skip executing empty ones.
 
-        ``busy`` (pipeline stages, several steps in flight): ids of the running sequences of the steps
-        not postprocessed yet. They are neither scheduled nor preempted; results are postprocessed in
-        the order they were scheduled. ``max_seqs`` caps the sequences of this step (a share of the
-        requests per step in flight).
+        ``busy`` (pipeline stages, several steps in flight): the running sequences of the steps not
+        postprocessed yet, id -> tokens those steps compute of it. They are never preempted, and only
+        scheduled again to go on with a prefill whose chunks in flight sample nothing (so one long
+        prompt pipelines across the stages, chunk after chunk); results are postprocessed in the order
+        they were scheduled. ``max_seqs`` caps the sequences of this step (a share of the requests per
+        step in flight).
         """
         if self._awaiting_postprocess and busy is None:
             raise RuntimeError("schedule() called again before postprocess() of the previous step")
@@ -262,7 +264,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _schedule_running(self, drafts: dict[int, list[int]] | None = None, busy: set[int] | None = None,
+    def _schedule_running(self, drafts: dict[int, list[int]] | None = None, busy: dict[int, int] | None = None,
                           seats: int | None = None) -> tuple[ScheduleResult, int, int, bool]:
         """Step 1 of the policy: the running sequences' chunks (a decode with drafts: 1 + its drafts).
 
@@ -279,9 +281,12 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or (seats is not None and len(running.seqs) >= seats):
                 break
-            if seq.status is not SequenceStatus.RUNNING or (busy and seq.seq_id in busy):
-                continue  # preempted earlier in this loop, or in a step still in flight
-            computed = seq.num_computed_tokens
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            ahead = busy.get(seq.seq_id, 0) if busy else 0  # tokens of it in steps still in flight
+            computed = seq.num_computed_tokens + ahead
+            if ahead and (computed >= len(seq.token_ids) or seq.needs_prompt_logits):
+                continue  # its step in flight samples it (or returns prompt logits): wait for it
             n = len(seq.token_ids) - computed
             assert n >= 1, f"running {seq} has nothing to compute"
             if seq.needs_prompt_logits:
@@ -294,7 +299,13 @@ class Scheduler:
                 n += len(draft)
             if n > budget:
                 n = budget
-            if computed + n > len(seq.block_table) * bs:
+            if computed + n > len(seq.block_table) * bs and ahead:
+                # Its earlier chunks are in flight: free blocks only, no preemption for a head start.
+                n = min(n, bm.appendable_tokens(seq) - ahead)
+                if n < 1:
+                    continue
+                bm.append(seq, computed + n)
+            elif computed + n > len(seq.block_table) * bs:
                 # The chunk spills past the last block (a decode: once every block_size steps): find room.
                 while (fit := bm.appendable_tokens(seq)) < 1:
                     victim = self.running[-1] if not busy else next(s for s in reversed(self.running)
@@ -312,7 +323,7 @@ class Scheduler:
             budget -= n
             if seq.needs_prompt_logits:
                 logit_rows -= n
-            running.add(seq, n)
+            running.add(seq, n, ahead)
             if running.drafts is not None:
                 running.drafts.append(draft[: n - 1] if draft else [])
         return running, budget, logit_rows, preempted

@@ -107,8 +107,8 @@ class Engine:
         # so an abort that follows an add in the same step is not lost.
         self._inbox: list[RequestState | str] = []
         self._live_ids: set[str] = set()  # ids submitted and not yet finished (any thread)
-        self.busy: set[int] = set()
-        """Ids of the sequences in steps still in flight (pipeline stages); empty otherwise."""
+        self.busy: dict[int, int] = {}
+        """Sequences in steps still in flight (pipeline stages): id -> tokens those steps compute of it."""
         stages = config.parallel.pipeline_parallel_size
         depth = config.parallel.pipeline_steps_in_flight or stages
         self.in_flight = InFlightSteps(self, depth) if stages > 1 and depth > 1 and not self.spec else None

@@ -8,8 +8,10 @@ in flight or nothing else can be scheduled; that step is then sampled,
 postprocessed and output exactly as a step of the plain engine loop, so the
 tokens are the same ones (greedy: token for token).
 
-A request in flight is neither scheduled nor preempted until its step returns
-(the scheduler's ``busy`` set), and an abort of one waits for its step. Each
+A request in flight is not preempted, and not scheduled again until its step
+returns (the scheduler's ``busy`` map), except a prefill whose chunks in flight
+sample nothing: its next chunk follows them, so one long prompt keeps every
+stage busy too. An abort of a request in flight waits for its steps. Each
 step takes at most an even share (1 / depth) of the live sequences. Every
 stage runs the plans in the order rank 0 sent them, so a block freed by a later
 plan is only reused after the earlier plans that wrote it have run there.
@@ -51,13 +53,15 @@ class InFlightSteps:
                 e.transport(plan)
                 e.runner.submit(plan)
                 self.queue.append(result)
-                e.busy.update(seq.seq_id for seq in result.seqs)
+                for seq, n in zip(result.seqs, result.num_new_tokens):
+                    e.busy[seq.seq_id] = e.busy.get(seq.seq_id, 0) + n
                 self.num_overlapped += len(self.queue) > 1
                 submitted = True
         if self.queue and (not submitted or len(self.queue) >= self.depth):
             result = self.queue.popleft()
             out = e.runner.collect()
-            for seq in result.seqs:
-                e.busy.discard(seq.seq_id)
+            for seq, n in zip(result.seqs, result.num_new_tokens):
+                if (left := e.busy.pop(seq.seq_id, n) - n) > 0:
+                    e.busy[seq.seq_id] = left  # a later chunk of it is still in flight
             e.finish_step(result, out, changed)
         return changed

@@ -34,9 +34,11 @@ class World:
         self.mirror: dict[int, dict] = {}  # seq_id -> {"tokens", "blocks", "computed"}
         self.kv: list[list[tuple | None]] = [[None] * bs for _ in range(sched.config.num_blocks)]
 
-    def apply(self, result: ScheduleResult) -> None:
-        """Apply a plan like a worker and check it against the scheduler's view."""
+    def apply(self, result: ScheduleResult, busy: dict[int, int] | None = None) -> None:
+        """Apply a plan like a worker and check it against the scheduler's view (``busy``: the tokens of
+        each sequence in steps applied here but not postprocessed yet, as the scheduler was given)."""
         plan, cfg, bm = result.plan, self.sched.config, self.sched.block_manager
+        busy = busy or {}
         assert plan.num_tokens <= cfg.max_num_batched_tokens
         assert len(self.sched.running) <= cfg.max_num_seqs
         for seq_id in plan.freed_seq_ids:
@@ -58,16 +60,17 @@ class World:
         # The mirror of every scheduled sequence equals the scheduler's view of it.
         for item in result.scheduled:
             seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens + busy.get(seq.seq_id, 0)
             m = self.mirror[seq.seq_id]
             assert m["tokens"] == seq.token_ids
             assert m["blocks"] == seq.block_table
-            assert m["computed"] == seq.num_computed_tokens
+            assert m["computed"] == start
             assert n >= 1
-            assert seq.num_computed_tokens + n <= seq.num_tokens
-            assert len(seq.block_table) * self.bs >= seq.num_computed_tokens + n
-            assert item.needs_sample == (seq.num_computed_tokens + n == seq.num_tokens)
-            # Computed positions (cache hits included) hold this sequence's KV.
-            for p in range(seq.num_computed_tokens):
+            assert start + n <= seq.num_tokens
+            assert len(seq.block_table) * self.bs >= start + n
+            assert item.needs_sample == (start + n == seq.num_tokens)
+            # Computed positions (cache hits and chunks in flight included) hold this sequence's KV.
+            for p in range(start):
                 assert self.kv[seq.block_table[p // self.bs]][p % self.bs] == tuple(seq.token_ids[: p + 1])
         # Running but not scheduled: the mirror is a prefix of what is known.
         for seq in self.sched.running:
@@ -77,7 +80,8 @@ class World:
         # "Run" the step: write the KV of the query positions, never into a shared block.
         for item in result.scheduled:
             seq = item.seq
-            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens):
+            start = seq.num_computed_tokens + busy.get(seq.seq_id, 0)
+            for p in range(start, start + item.num_new_tokens):
                 block = seq.block_table[p // self.bs]
                 assert bm.ref_count(block) == 1, f"writing into shared block {block}"
                 self.kv[block][p % self.bs] = tuple(seq.token_ids[: p + 1])
@@ -702,32 +706,73 @@ def test_prompt_logit_rows_must_be_positive() -> None:
         SchedulerLimits(4, 64, 64, 4, 32, True, max_prompt_logit_rows=0)
 
 
-def test_steps_in_flight_schedule_disjoint_sequences_and_never_preempt_busy_ones() -> None:
-    """Pipeline stages: two steps outstanding; a sequence in one is neither in the other nor preempted by it."""
+def test_steps_in_flight_never_preempt_busy_sequences_and_pipeline_only_silent_prefill_chunks() -> None:
+    """Pipeline stages: two steps outstanding. A sequence in flight is never preempted, and is scheduled
+    again only to go on with its prefill while none of its chunks in flight samples; the mirror (KV
+    content included) stays right throughout."""
+    sched, world = make(block_size=2, num_blocks=24, budget=8, max_model_len=64)
+    seqs = [seq(i, list(range(1 + i, 4 + i + 10 * i)), max_tokens=10, ignore_eos=True) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    in_flight: list[ScheduleResult] = []
+    busy: dict[int, int] = {}
+    steps = pipelined = 0
+    while sched.has_unfinished():
+        assert steps < 300, "no progress"
+        steps += 1
+        result = sched.schedule(busy=busy, max_seqs=2)
+        assert len(result.seqs) <= 2
+        for s in result.seqs:
+            if s.seq_id in busy:  # again while in flight: only a prefill whose chunks there sample nothing
+                pipelined += 1
+                assert not any(r.needs_sample[r.seqs.index(s)] for r in in_flight if s in r.seqs), s
+                assert s.num_computed_tokens + busy[s.seq_id] < s.num_tokens
+        for s in seqs:
+            if s.seq_id in busy:
+                assert s.status is SequenceStatus.RUNNING, "a sequence in flight was preempted"
+        if result.seqs:
+            world.apply(result, busy)
+            in_flight.append(result)
+            for s, n in zip(result.seqs, result.num_new_tokens):
+                busy[s.seq_id] = busy.get(s.seq_id, 0) + n
+        if in_flight and (len(in_flight) == 2 or not result.seqs):
+            done = in_flight.pop(0)  # outputs come back in the order the steps were sent
+            for s, n in zip(done.seqs, done.num_new_tokens):
+                if (left := busy.pop(s.seq_id) - n) > 0:
+                    busy[s.seq_id] = left
+            sched.postprocess(done, [7] * sum(done.needs_sample))
+    assert all(s.num_completion_tokens == 10 for s in seqs)
+    assert pipelined > 0, "no prefill chunk followed another one in flight"
+
+
+def test_steps_in_flight_preempt_only_idle_sequences() -> None:
+    """Two steps outstanding over a cache too small for every sequence: preemptions happen, never of a
+    sequence in flight."""
     sched, world = make(block_size=2, num_blocks=8, budget=32, max_model_len=32)
     seqs = [seq(i, [1 + i, 2, 3], max_tokens=10, ignore_eos=True) for i in range(3)]
     for s in seqs:
         sched.add(s)
     in_flight: list[ScheduleResult] = []
-    busy: set[int] = set()
+    busy: dict[int, int] = {}
     steps = 0
     while sched.has_unfinished():
         assert steps < 200, "no progress"
         steps += 1
         result = sched.schedule(busy=busy, max_seqs=2)
         ids = {s.seq_id for s in result.seqs}
-        assert not ids & busy, "a sequence in flight was scheduled again"
-        assert len(ids) <= 2
+        assert not ids & busy.keys(), "a decoding sequence in flight was scheduled again"
         for s in seqs:
             if s.seq_id in busy:
                 assert s.status is SequenceStatus.RUNNING, "a sequence in flight was preempted"
         if result.seqs:
-            world.apply(result)
+            world.apply(result, busy)
             in_flight.append(result)
-            busy |= ids
+            for s, n in zip(result.seqs, result.num_new_tokens):
+                busy[s.seq_id] = busy.get(s.seq_id, 0) + n
         if in_flight and (len(in_flight) == 2 or not result.seqs):
-            done = in_flight.pop(0)  # outputs come back in the order the steps were sent
-            busy -= {s.seq_id for s in done.seqs}
+            done = in_flight.pop(0)
+            for s in done.seqs:
+                busy.pop(s.seq_id)
             sched.postprocess(done, [7] * sum(done.needs_sample))
     assert all(s.num_completion_tokens == 10 for s in seqs)
     assert sched.stats.num_preemptions > 0  # 8 blocks of 2 for 3 x 13 tokens: the cache ran out

@@ -1,8 +1,9 @@
 """Pipeline parallelism end to end: greedy equals HF token for token at PP=2 x TP=1, PP=2 x TP=2 (a
-3-layer model: an uneven split, TP above the KV head count), PP=4 x TP=1, dense and MoE, with chunked
-prefill and preemption; and the features that live on rank 0 (penalties, logprobs, prompt logprobs,
-n > 1, grammars) on a pipelined run. Several steps are in flight (over disjoint requests) except
-in the case that sets ``pipeline_steps_in_flight: 1``.
+3-layer model: an uneven split, TP above the KV head count), PP=4 x TP=1 and PP=2 x TP=1, dense and
+MoE, with chunked prefill and preemption; one long prompt alone pipelines its prefill chunks; and
+the features that live on rank 0 (penalties, logprobs, prompt logprobs, n > 1, grammars) on a
+pipelined run. Several steps are in flight except in the case that sets
+``pipeline_steps_in_flight: 1``.
 
 One torchrun launch per topology and model; 4 ranks on 2 cores are slow, so the models are tiny.
 """
@@ -33,6 +34,10 @@ CASES = [
      "pipeline_parallel_size: 2\ntensor_parallel_size: 2\nexpert_parallel: true\n", False),
     ("pp4xtp1-moe-5layers", TinyQwen3MoeSpec(num_hidden_layers=5, mlp_only_layers=(2,), seed=6), 4,
      "pipeline_parallel_size: 4\n", False),
+    ("pp4xtp1-dense-6layers", TinyQwen3Spec(num_hidden_layers=6, vocab_size=509, seed=4), 4,
+     "pipeline_parallel_size: 4\n", False),
+    ("pp2xtp1-moe-4layers", TinyQwen3MoeSpec(num_hidden_layers=4, seed=9), 2,
+     "pipeline_parallel_size: 2\n", False),
 ]
 
 
@@ -62,7 +67,11 @@ def test_pipeline_matches_hf(case, tmp_path):
             assert got == hf_greedy(hf, p, 10), f"{name}: prompt {i} (length {len(p)})"
         assert res["preemptions"] > 0, "the small cache should have forced preemption"
         # Several steps in flight over disjoint requests, unless the case runs one at a time.
-        assert (res["overlapped"] > 0) == ("pipeline_steps_in_flight: 1" not in parallel), res["overlapped"]
+        pipelined = "pipeline_steps_in_flight: 1" not in parallel
+        assert (res["overlapped"] > 0) == pipelined, res["overlapped"]
+        # One long prompt alone (130 tokens, 48 per step): its chunks are in flight together.
+        assert res["alone"] == hf_greedy(hf, prompts[-1][::-1], 10)
+        assert (res["alone_overlapped"] > 0) == pipelined, res["alone_overlapped"]
         if features:
             _check_features(hf, prompts, res)
 

@@ -1,7 +1,9 @@
 """Run under torchrun with pipeline stages: ``pipeline.py CONFIG PROMPTS_JSON OUT_JSON [features]``.
 
 Writes to OUT_JSON: the greedy tokens of every prompt (one batch: chunked prefill, and a small
-cache makes preemption happen), the scheduler's preemption count and, with ``features``, what the
+cache makes preemption happen), the scheduler's preemption count, the steps submitted while another
+was in flight, the longest prompt's tokens reversed, alone (and those steps for it) and, with
+``features``, what the
 test compares with HF or with an invariant: greedy with a repetition penalty, prompt logprobs and
 logprobs, n = 2 seeded samples next to the n = 1 requests with the same seeds, a choice grammar.
 """
@@ -20,6 +22,10 @@ greedy = rtp.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 result: dict = {"tokens": [o.token_ids for o in rtp.generate(prompts, greedy, use_tqdm=False)]}
 result["preemptions"] = runtime.engine.stats()["num_preemptions"]
 result["overlapped"] = runtime.engine.stats().get("pipeline_overlapped_steps", 0)
+# The longest prompt reversed (no prefix-cache hit) alone: its prefill chunks follow one another through
+# the stages.
+result["alone"] = rtp.generate([prompts[-1][::-1]], greedy, use_tqdm=False)[0].token_ids
+result["alone_overlapped"] = runtime.engine.stats().get("pipeline_overlapped_steps", 0) - result["overlapped"]
 if features:
     p0, p1 = prompts[1], prompts[2]
     rep = rtp.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5)
