@@ -4,6 +4,8 @@
     python scripts/bench_pp.py --quick         # a smaller model and workload (a smoke run)
     python scripts/bench_pp.py --partition 6,2 --tp1   # stages balanced for the LM head; also one rank
     python scripts/bench_pp.py --workload prefill       # long prompts: chunked prefill keeps both stages busy
+    python scripts/bench_pp.py --workload prefill --num-requests 1 --prompt-len 2048 --partition 3,5
+                                                        # one long prompt: its chunks pipeline
 
 Three runs, one after the other, each a torchrun of its own (one thread per rank), on the same
 checkpoint and requests, greedy with EOS ignored:
@@ -56,14 +58,18 @@ def build_model(quick: bool) -> str:
     return str(path)
 
 
-def workload(n: int, vocab: int, quick: bool, kind: str = "decode") -> list[tuple[list[int], int]]:
+def workload(n: int, vocab: int, quick: bool, kind: str = "decode",
+             prompt_len: int | None = None) -> list[tuple[list[int], int]]:
     """``n`` (prompt, output length) pairs: decode-heavy (short prompts, 48 tokens out) or prefill-heavy
-    (long prompts, 2 tokens out: chunked prefill of several prompts at once)."""
+    (long prompts, 2 tokens out: chunked prefill of several prompts at once); ``prompt_len`` fixes the
+    prompt length."""
     rng = random.Random(0)
     if kind == "prefill":
         lo, hi, out = (64, 128, 2) if quick else (192, 320, 2)
     else:
         lo, hi, out = (8, 32, 16) if quick else (32, 96, 48)
+    if prompt_len is not None:
+        lo = hi = prompt_len
     return [([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], out) for _ in range(n)]
 
 
@@ -160,6 +166,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=["decode", "prefill"], default="decode",
                     help="decode: short prompts, 48 tokens out; prefill: 192-320-token prompts, 2 tokens out")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256, help="query tokens per step")
+    ap.add_argument("--prompt-len", type=int, help="every prompt this long (default: the workload's mix)")
     ap.add_argument("--quick", action="store_true", help="a smaller model and shorter requests")
     ap.add_argument("--no-tp", action="store_true", help="skip the TP=4 run (its bytes)")
     ap.add_argument("--partition", help="pipeline_layer_partition of the PP runs, e.g. 6,2 (default: even split)")
@@ -185,7 +192,7 @@ def main() -> None:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
         requests = Path(tmp) / "requests.json"
-        reqs = workload(args.num_requests, min(vocab, 4000), args.quick, args.workload)
+        reqs = workload(args.num_requests, min(vocab, 4000), args.quick, args.workload, args.prompt_len)
         requests.write_text(json.dumps(reqs))
         print(f"{len(reqs)} requests, prompts {min(len(p) for p, _ in reqs)}-{max(len(p) for p, _ in reqs)} tokens, "
               f"{reqs[0][1]} output tokens each; model {args.model}")
