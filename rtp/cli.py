@@ -17,13 +17,13 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 
 
 def fail(error: RtpError) -> int:
-    """Report a user-facing error once (on rank 0) and return the exit code every rank uses.
+    """Report a user-facing error once per node (on its local rank 0) and return the exit code every rank uses.
 
-    Every rank hits the same config or shape error; only rank 0 prints it.
-    The others wait a moment before exiting so that torchrun, which stops the
-    whole group at the first failure, does not cut rank 0 off before it prints.
+    Every rank hits the same config or shape error; only each node's first rank prints it (rank 0 on
+    one node), so every node's log says why. The others wait a moment before exiting so that
+    torchrun, which stops the whole group at the first failure, does not cut the printer off.
     """
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
         time.sleep(2.0)

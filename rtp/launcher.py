@@ -53,6 +53,10 @@ def ranks_to_start(module: str, args: argparse.Namespace) -> int:
     nproc = nproc or (config.parallel.tensor_parallel_size or 1) * split
     if nproc % dp:
         raise RtpError(f"--nproc-per-node {nproc} is not a multiple of --data-parallel-size {dp}")
+    local = config.parallel.data_parallel_size_local
+    if local is not None and local != dp:
+        raise RtpError(f"--data-parallel-size-local {local} and --data-parallel-size {dp} disagree: `rtp` starts one "
+                       "node, which holds every replica (for several nodes, run torchrun --nnodes on each)")
     if dp > 1 and module == COMMANDS["serve"] and config.server.api_processes == 0:
         raise RtpError("--data-parallel-size > 1 needs API frontend processes: --api-server-count >= 1, not 0")
     if nproc < 1:

@@ -344,6 +344,18 @@ def test_data_parallel_size_splits_the_world() -> None:
         load_config(None, data_parallel_size=0)
 
 
+def test_data_parallel_size_local_key(tmp_path: Path) -> None:
+    assert load_config(None).parallel.data_parallel_size_local is None  # derived from the node's ranks at start
+    path = tmp_path / "dp.yaml"
+    path.write_text("data_parallel_size: 4\nparallel:\n  data_parallel_size_local: 2\n")
+    assert load_config(path).parallel.data_parallel_size_local == 2
+    path.write_text("data_parallel_size: 2\ndata_parallel_size_local: 3\n")  # the flat spelling
+    with pytest.raises(ConfigError, match=r"data_parallel_size_local.*at most data_parallel_size=2"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="data_parallel_size_local"):
+        load_config(None, data_parallel_size_local=0)
+
+
 @pytest.mark.parametrize("world_size", [0, -1, True])
 def test_tp_size_rejects_bad_world_size(world_size: int) -> None:
     with pytest.raises(ConfigError, match="world size"):

@@ -97,8 +97,12 @@ class ParallelConfig(Section):
     data_parallel_size: int = setting(1, integer(1))
     """Number of independent replicas of the model, >= 1, each split over tensor_parallel_size ranks: the world
     is data_parallel_size x tensor_parallel_size ranks (global rank = replica * TP + TP rank). Each replica is
-    a full engine (scheduler, KV cache, step channel); the server routes every request to one of them. Not yet
-    with pipeline_parallel_size > 1."""
+    a full engine (scheduler, KV cache, step channel); the server routes every request to one of them. Across
+    nodes (torchrun --nnodes) each replica's ranks must be on one node. Not yet with pipeline_parallel_size > 1."""
+    data_parallel_size_local: int | None = setting(None, integer(1, nullable=True))
+    """Replicas on this node, >= 1 and <= data_parallel_size (vLLM's --data-parallel-size-local); None derives
+    it (the node's ranks / tensor_parallel_size). Given, it is a cross-check: a node holding another number
+    fails at start, before the model loads."""
     pipeline_parallel_size: int = setting(1, integer(1))
     """Number of pipeline stages, >= 1: stage ``s`` holds a contiguous range of layers on ranks
     ``s*TP .. s*TP+TP-1`` (the world is TP x PP ranks); the first stage embeds, the last applies the final
@@ -128,6 +132,9 @@ class ParallelConfig(Section):
         partition, pp = values["pipeline_layer_partition"], values["pipeline_parallel_size"]
         if partition is not None and pp > 1 and len(partition) != pp:
             return "pipeline_layer_partition", f"one entry per stage ({key_of('pipeline_parallel_size')}={pp})"
+        local, dp = values["data_parallel_size_local"], values["data_parallel_size"]
+        if local is not None and dp > 1 and local > dp:  # dp 1: see ParallelState.from_env
+            return "data_parallel_size_local", f"at most {key_of('data_parallel_size')}={dp}"
         return None
 
 

@@ -73,6 +73,34 @@ class Topology:
         return cls(hosts, tuple(e[1] for e in entries), nodes, tuple(leaders))
 
 
+def replicas_per_node(topology: Topology, dp: int, local: list[int | None] | None = None) -> list[int]:
+    """How many data-parallel replicas each node holds, by node; ConfigError if a replica would span nodes.
+
+    Replica d holds the contiguous global ranks ``d*tp .. d*tp+tp-1`` (``tp = world / dp``), so its TP
+    collectives stay inside one node. ``local`` (by rank, None where not given) is each rank's
+    ``data_parallel_size_local``: where given it must equal its node's count.
+    """
+    world = len(topology.nodes)
+    tp = world // dp
+    sizes = [len(topology.ranks_on(n)) for n in range(topology.num_nodes)]
+    for d in range(dp):
+        nodes = sorted({topology.nodes[r] for r in range(d * tp, (d + 1) * tp)})
+        if len(nodes) > 1:
+            counts = ", ".join(f"node {n} has {sizes[n]}" for n in range(len(sizes)))
+            raise ConfigError(
+                f"data-parallel replica {d} (global ranks {d * tp}..{(d + 1) * tp - 1}, TP {tp}) would span nodes "
+                f"{' and '.join(map(str, nodes))}: a replica's ranks must be on one node, so each node's rank count "
+                f"must be a multiple of TP {tp} ({counts}; world {world} = data_parallel_size {dp} x TP {tp})")
+    per_node = [size // tp for size in sizes]
+    for rank, given in enumerate(local or []):
+        node = topology.nodes[rank]
+        if given is not None and given != per_node[node]:
+            raise ConfigError(
+                f"data_parallel_size_local={given} (--data-parallel-size-local) on node {node}, but node {node} holds "
+                f"{per_node[node]} replica(s): its {sizes[node]} ranks / TP {tp}; fix it or leave it unset")
+    return per_node
+
+
 @dataclass
 class ParallelState:
     """Rank, world size, device and process groups of this process.
@@ -84,7 +112,8 @@ class ParallelState:
     ``rank = pp_rank * tp_size + tp_rank``, and ``tp_group`` is this rank's stage.
 
     With data parallelism (``dp_size`` > 1; not yet with pipeline stages) the world holds
-    ``dp_size`` replicas of ``tp_size`` ranks each, global rank = ``dp_rank * tp_size + tp_rank``.
+    ``dp_size`` replicas of ``tp_size`` ranks each, global rank = ``dp_rank * tp_size + tp_rank``; every
+    replica's ranks are on one node (a node of N ranks holds N / tp_size replicas; see :func:`replicas_per_node`).
     The state :meth:`from_env` returns is the whole world's (liveness watches every rank of it);
     :meth:`replica` gives the view a replica's engine and model are built on, whose
     ``rank``/``world_size`` are the TP rank and size and whose groups span the replica only.
@@ -115,6 +144,9 @@ class ParallelState:
     """Number of data-parallel replicas (1: the world is one replica)."""
     global_rank: int | None = None
     """In a replica view: this rank's rank in the whole world (None: ``rank`` is already global)."""
+    replica_node: int = 0
+    """In a replica view: the node (torchrun GROUP_RANK) the replica runs on; a replica view has no
+    topology, since every rank of a replica is on that one node."""
     dp_group: dist.ProcessGroup | None = None
     """gloo group of the replicas' coordinators (global ranks dp_rank * tp_size); None on other ranks."""
     _replica_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
@@ -126,7 +158,8 @@ class ParallelState:
 
     @property
     def node_rank(self) -> int:
-        return 0 if self.topology is None else self.topology.nodes[self.rank]
+        """This rank's node (torchrun GROUP_RANK); in a replica view, the replica's."""
+        return self.replica_node if self.topology is None else self.topology.nodes[self.rank]
 
     @property
     def node_leader(self) -> int:
@@ -183,7 +216,7 @@ class ParallelState:
         tp_group, cpu_group = self._replica_groups
         return ParallelState(self.tp_rank, self.tp_size, self.local_rank, self.device, tp_group, cpu_group,
                              launcher_pid=self.launcher_pid, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                             global_rank=self.rank, dp_group=self.dp_group)
+                             global_rank=self.rank, dp_group=self.dp_group, replica_node=self.node_rank)
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelState:
@@ -192,15 +225,19 @@ class ParallelState:
 
     @classmethod
     def from_env(cls, device: str = "auto", timeout_s: float = 60.0, pp_size: int = 1,
-                 data_parallel_size: int = 1) -> ParallelState:
+                 data_parallel_size: int = 1, data_parallel_size_local: int | None = None) -> ParallelState:
         """Initialise torch.distributed from torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*.
 
         Without those variables this is a single-process world. ``device``:
         "auto" picks ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
         ``pp_size`` pipeline stages split the world (it must divide WORLD_SIZE); each stage's
         ranks get a TP group of their own. ``data_parallel_size`` replicas split it likewise
-        (not both at once).
+        (not both at once), each on one node; ``data_parallel_size_local`` (if not None) must be
+        the number of replicas on this rank's node.
         """
+        if data_parallel_size == 1 and data_parallel_size_local not in (None, 1):
+            raise ConfigError(f"data_parallel_size_local={data_parallel_size_local} needs data_parallel_size > 1 "
+                              "(--data-parallel-size): a node cannot hold more replicas than the world")
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             if pp_size != 1:
                 raise ConfigError(f"pipeline_parallel_size={pp_size} needs {pp_size} ranks or more: run under torchrun")
@@ -236,7 +273,7 @@ class ParallelState:
         ps = cls(rank, world_size, local_rank, dev, tp_group, cpu_group, launcher_pid=launcher_pid, topology=topology,
                  pp_size=pp_size)
         if data_parallel_size > 1:
-            ps._add_replica_groups(data_parallel_size, backend, timeout)
+            ps._add_replica_groups(data_parallel_size, data_parallel_size_local, backend, timeout)
         if topology.num_nodes > 1:
             # Every rank creates every group, in the same order (torch.distributed requires it).
             for node in range(topology.num_nodes):
@@ -248,16 +285,22 @@ class ParallelState:
                 ps.leader_group = leaders
         logger.info("initialised %s world of %d ranks on %s (%d node%s%s)", backend, world_size, dev,
                     topology.num_nodes, "s" if topology.num_nodes > 1 else "",
-                    f", {pp_size} pipeline stages of TP {world_size // pp_size}" if pp_size > 1 else "")
+                    f", {pp_size} pipeline stages of TP {world_size // pp_size}" if pp_size > 1 else
+                    f", {ps.dp_size} data-parallel replicas of TP {ps.tp_size}" if ps.dp_size > 1 else "")
         return ps
 
-    def _add_replica_groups(self, dp: int, backend: str, timeout: datetime.timedelta) -> None:
-        """Every rank creates every replica's groups and the coordinators' group, in the same order."""
+    def _add_replica_groups(self, dp: int, local: int | None, backend: str, timeout: datetime.timedelta) -> None:
+        """Every rank creates every replica's groups and the coordinators' group, in the same order.
+
+        The placement is checked first, on every rank alike (each sees every rank's
+        ``data_parallel_size_local``), so a bad one fails the whole world at once, before the model loads.
+        """
         if self.world_size % dp:
             raise ConfigError(f"data_parallel_size={dp} does not divide the world of {self.world_size} ranks")
-        if self.topology is not None and self.topology.num_nodes > 1:
-            raise ConfigError("data_parallel_size > 1 runs on one node for now: start every replica's ranks with "
-                              "one torchrun (--nnodes 1)")
+        if self.topology is not None:
+            given: list[int | None] = [None] * self.world_size
+            dist.all_gather_object(given, local, group=self.cpu_group)
+            replicas_per_node(self.topology, dp, given)
         self.dp_size, tp = dp, self.world_size // dp
         self.dp_rank = self.rank // tp
         for d in range(dp):

@@ -69,6 +69,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("parallel.data_parallel_size", ("--data-parallel-size", "-dp"), int,
          "independent replicas behind one server, each over --tensor-parallel-size ranks (`rtp serve` starts "
          "DP x TP ranks)"),
+    Flag("parallel.data_parallel_size_local", ("--data-parallel-size-local", "-dpl"), int,
+         "replicas on this node (torchrun --nnodes: each node's ranks / TP); a cross-check, default: derived"),
     Flag("parallel.pipeline_parallel_size", ("--pipeline-parallel-size", "-pp"), int,
          "pipeline stages (contiguous layer ranges; TP ranks each), default 1"),
     Flag("parallel.pipeline_layer_partition", ("--pipeline-layer-partition",), str,

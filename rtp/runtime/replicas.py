@@ -10,18 +10,21 @@ until rank 0 sends :data:`SHUTDOWN`.
 
 This is one message per batch, not per step: the replicas step independently.
 A lost rank anywhere is seen by every rank's watchdog (the liveness spans the
-world), so no coordinator waits on a dead peer past the liveness bound.
+world, across nodes too), so no coordinator waits on a dead peer past the
+liveness bound; a step or a collective of this group that fails because of it
+raises the watchdog's WorkerDiedError naming the lost rank, on every coordinator.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from rtp.errors import RequestError, RtpError
+from rtp.errors import RequestError, RtpError, WorkerDiedError
 from rtp.log import get_logger
 from rtp.outputs import RequestOutput
 from rtp.sampling import SamplingParams
@@ -72,6 +75,8 @@ def run_share(runtime: Runtime, share: ReplicaBatch, use_tqdm: bool) -> ReplicaR
         return ReplicaResult(runtime.generate_local(share.prompts, share.params, use_tqdm, share.indices))
     except RequestError as e:
         return ReplicaResult(error=str(e))
+    except WorkerDiedError:
+        raise  # a lost rank ends the run: the other coordinators are failing too, nobody waits for this share
     except Exception as e:  # noqa: BLE001 - reported by rank 0; every coordinator still joins the gather
         logger.exception("replica %d failed its share", runtime.dp_rank)
         return ReplicaResult(failed=f"{type(e).__name__}: {e}")
@@ -87,10 +92,10 @@ class ReplicaGroup:
     def generate(self, runtime: Runtime, prompts: list, params: list[SamplingParams],
                  use_tqdm: bool) -> list[RequestOutput]:
         shares = split_batch(prompts, params, self.size)
-        dist.broadcast_object_list([(GENERATE, shares)], group_src=0, group=self.group)
+        _collective(runtime, dist.broadcast_object_list, [(GENERATE, shares)], group_src=0, group=self.group)
         mine = run_share(runtime, shares[0], use_tqdm)
         results: list[ReplicaResult | None] = [None] * self.size
-        dist.gather_object(mine, results, group_dst=0, group=self.group)
+        _collective(runtime, dist.gather_object, mine, results, group_dst=0, group=self.group)
         out: list[RequestOutput | None] = [None] * len(prompts)
         for replica, (share, result) in enumerate(zip(shares, results)):
             assert result is not None
@@ -119,7 +124,7 @@ def serve_replica(runtime: Runtime) -> None:
     assert group is not None
     while True:
         box: list[object] = [None]
-        dist.broadcast_object_list(box, group_src=0, group=group)
+        _collective(runtime, dist.broadcast_object_list, box, group_src=0, group=group)
         message: tuple[str, list[ReplicaBatch] | None] = box[0]  # type: ignore[assignment]
         kind, shares = message
         if kind == SHUTDOWN:
@@ -128,4 +133,16 @@ def serve_replica(runtime: Runtime) -> None:
             return
         assert shares is not None
         result = run_share(runtime, shares[rank], use_tqdm=False)
-        dist.gather_object(result, None, group_dst=0, group=group)
+        _collective(runtime, dist.gather_object, result, None, group_dst=0, group=group)
+
+
+def _collective(runtime: Runtime, collective: Callable[..., object], *args: object, **kwargs: object) -> None:
+    """A collective of the coordinators' group; one that fails because a rank was lost raises the
+    watchdog's WorkerDiedError naming it (gloo's own error says only that a connection closed)."""
+    try:
+        collective(*args, **kwargs)
+    except RuntimeError as e:
+        found = runtime.transport.watchdog.wait_for_lost(timeout_s=3.0)
+        if found is None:
+            raise
+        raise WorkerDiedError(runtime.transport.watchdog.report(found).message) from e

@@ -56,7 +56,8 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
     """
     world = ParallelState.from_env(config.parallel.device, timeout_s=max(config.liveness.timeout_s, 60.0),
                                    pp_size=config.parallel.pipeline_parallel_size,
-                                   data_parallel_size=config.parallel.data_parallel_size)
+                                   data_parallel_size=config.parallel.data_parallel_size,
+                                   data_parallel_size_local=config.parallel.data_parallel_size_local)
     setup_logging(world.rank, config.log_level, coordinator=world.rank == world.coordinator_rank)
     check_draft_model(config.speculative_config, model_dir, resolve_tp_size(config, world.world_size))
     step_delay = StepDelay.from_env()
@@ -157,6 +158,7 @@ def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int
         )
     runner = ModelRunner(ps, model_dir, config)
     if ps.world_size == 1:
+        _log_replica(ps, None)
         transport = _transport(config, ps, None, watchdog, heartbeat, step_delay, None, runner)
         return _runtime(config, runner, model_dir, transport)  # the transport tracks the steps
     # Each node's leader (rank 0 on node 0) writes the step plans to its node's channel; with
@@ -172,6 +174,7 @@ def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int
             ps.node_broadcast_object("")  # tell the node's workers waiting for the name to give up
             raise
     relay = StepRelay(ps.leader_group) if leader and ps.leader_group is not None else None
+    _log_replica(ps, channel)
     if ps.rank == 0:
         try:
             # The transport first: from here on a liveness failure unlinks the channel.
@@ -198,6 +201,17 @@ def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int
     runner.close()
     ps.destroy()
     sys.exit(0)
+
+
+def _log_replica(ps: ParallelState, channel: ShmChannel | None) -> None:
+    """A data-parallel replica's coordinator: where the replica runs and what it shares memory through."""
+    if ps.dp_size == 1 or ps.rank != 0:
+        return
+    first = ps.global_rank or 0  # a replica view has no topology: every rank of it is on the replica's node
+    logger.info("data-parallel replica %d: global ranks %d..%d on node %d, step channel %s, CPU all-reduce %s",
+                ps.dp_rank, first, first + ps.world_size - 1, ps.node_rank,
+                channel.name if channel is not None else "none (one rank)",
+                "in shared memory" if ps.node_reduce is not None else "none" if ps.world_size == 1 else "gloo")
 
 
 def _transport(config: RtpConfig, ps: ParallelState, channel: ShmChannel | None, watchdog: Watchdog,

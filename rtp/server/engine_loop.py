@@ -27,9 +27,10 @@ Exits, each ending the frontends and the workers, no segment left behind:
 
 Data parallelism (``data_parallel_size`` > 1): every replica's coordinator runs
 this loop over its own engine. Rank 0 starts the frontends and tells them, in
-HELLO, the other replicas' Unix socket names (abstract, so nothing is left on
-disk); each frontend connects to every replica and routes each request to one
-of them (rtp/server/router.py). Another replica's loop accepts the frontends'
+HELLO, the other replicas' endpoints (rtp/server/replica_sockets.py: an abstract
+Unix socket on rank 0's node, TCP with a secret on another node); each frontend
+connects to every replica and routes each request to one of them
+(rtp/server/router.py). Another replica's loop accepts the frontends'
 connections instead of starting them, and otherwise runs, stops and fails in
 the same way: its FAIL reaches every frontend, which fails its clients and
 exits 1, and rank 0 then exits 1 too.
@@ -42,7 +43,6 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,7 @@ from rtp.outputs import RequestOutput
 from rtp.server.frontend_procs import FrontendLink, spawn_frontends
 from rtp.server.frontend_procs import metrics_dir as new_metrics_dir
 from rtp.server.frontend_wire import EngineRequest, Kind, decode_abort, encode_hello, frame
+from rtp.server.replica_sockets import Endpoint, Listener
 from rtp.structured import GrammarCompiler
 
 if TYPE_CHECKING:
@@ -70,9 +71,9 @@ class EngineLoop:
     """Serve ``runtime`` (rank 0) to ``count`` frontends accepting on ``listen``."""
 
     def __init__(self, runtime: Runtime, listen: socket.socket | None, count: int, url: str, access_log: bool,
-                 replicas: list[str] | None = None, accept_on: socket.socket | None = None) -> None:
-        """``replicas``: (rank 0) the other replicas' socket names, for the frontends' HELLO;
-        ``accept_on``: (another replica) the Unix socket the frontends connect to."""
+                 replicas: list[Endpoint] | None = None, accept_on: Listener | None = None) -> None:
+        """``replicas``: (rank 0) the other replicas' endpoints, for the frontends' HELLO;
+        ``accept_on``: (another replica) the socket the frontends connect to."""
         self.runtime, self.engine = runtime, runtime.engine
         self.replicas, self.accept_on = replicas or [], accept_on
         self.listen, self.count, self.url, self.access_log = listen, count, url, access_log
@@ -120,7 +121,7 @@ class EngineLoop:
                 self._accept_frontends(hello)
             else:
                 assert self.listen is not None and metrics_dir is not None
-                hello["replicas"] = self.replicas
+                hello["replicas"] = [e.to_json() for e in self.replicas]
                 self.links = spawn_frontends(self.count, self.listen, hello, metrics_dir, cfg.liveness.timeout_s)
             if self.exit_code == 0 and self._wait_ready():
                 if self.accept_on is None:
@@ -142,7 +143,6 @@ class EngineLoop:
     def _accept_frontends(self, hello: dict[str, Any]) -> None:
         """Another replica: accept the ``count`` frontends' connections (rank 0 started them), HELLO to each."""
         assert self.accept_on is not None
-        self.accept_on.settimeout(0.2)
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while len(self.links) < self.count:
             if self.stopping or self.failure is not None:
@@ -152,16 +152,16 @@ class EngineLoop:
                              _READY_TIMEOUT_S)
                 self.exit_code = 1
                 return
-            try:
-                conn, _ = self.accept_on.accept()
-            except TimeoutError:
+            accepted = self.accept_on.accept(0.2)
+            if accepted is None:
                 continue
-            conn.setblocking(True)
-            pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            conn, pid = accepted  # pid None: a frontend on another node, watched through its connection only
             link = FrontendLink(len(self.links), None, conn, self.runtime.config.liveness.timeout_s, pid=pid)
             self.links.append(link)
-            rank = self.runtime.transport.ps.global_rank
-            link.send(encode_hello({**hello, "index": link.index, "rank": rank, "pid": os.getpid()}))
+            ps = self.runtime.transport.ps
+            link.send(encode_hello({**hello, "index": link.index, "rank": ps.global_rank, "pid": os.getpid(),
+                                    "host": socket.gethostname() if ps.node_rank != 0 else None}))
+        self.accept_on.close()  # every frontend is in: nobody else may connect
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + _READY_TIMEOUT_S

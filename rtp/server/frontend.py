@@ -77,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     server_cfg = ServerConfig(**hello["server"])
     info = ModelInfo.load(Path(hello["model_dir"]), hello["vocab_size"], hello["max_model_len"], name=hello["name"])
     # Data parallelism: one more engine per other replica, each with its own HELLO (its cache size).
-    replicas = [replica_sockets.connect(address) for address in hello.get("replicas", [])]
+    replicas = [replica_sockets.connect(replica_sockets.Endpoint.from_json(e)) for e in hello.get("replicas", [])]
     limits = dict(hello["limits"])
     who: list[str] = []  # each replica's engine, for the message when its socket closes
     for i, sock in enumerate(replicas, start=1):
         replica_hello = _read_hello(sock)
-        who.append(f"rank {replica_hello['rank']} (pid {replica_hello['pid']}), data-parallel replica {i}'s engine,")
+        host = f" on host {replica_hello['host']}" if replica_hello.get("host") else ""  # another node
+        who.append(f"rank {replica_hello['rank']} (pid {replica_hello['pid']}{host}), "
+                   f"data-parallel replica {i}'s engine,")
         for key, value in replica_hello["limits"].items():
             limits[key] = min(limits[key], value)
     router = None

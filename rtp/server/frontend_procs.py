@@ -10,6 +10,7 @@ A frontend dies with rank 0 (parent-death signal, and EOF on its socket).
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import socket
@@ -65,7 +66,9 @@ class FrontendLink:
     """One frontend process and an engine's end of its socket.
 
     Rank 0 started the process (``proc``); another data-parallel replica's
-    coordinator only accepted its connection and knows its ``pid``.
+    coordinator only accepted its connection and knows its ``pid``, or (a
+    replica on another node, ``pid`` None) not even that: such a frontend is
+    known to be gone when its connection ends.
     """
 
     def __init__(self, index: int, proc: subprocess.Popen[bytes] | None, sock: socket.socket, send_timeout_s: float,
@@ -86,9 +89,12 @@ class FrontendLink:
         return self._pid if self._pid is not None else -1
 
     def returncode(self) -> int | None:
-        """The process's exit code once it is gone (-1 when it is not this process's child), else None."""
+        """The process's exit code once it is gone (-1 when it is not this process's child), else None
+        (always None for a frontend on another node: its connection tells)."""
         if self.proc is not None:
             return self.proc.poll()
+        if self._pid is None:
+            return None
         return None if pid_alive(self.pid) else -1
 
     def wait(self, timeout: float) -> int:
@@ -98,12 +104,27 @@ class FrontendLink:
                 return self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 raise TimeoutError from None
+        if self._pid is None:
+            return self._wait_eof(timeout)
         deadline = time.monotonic() + timeout
         while (code := self.returncode()) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError
             time.sleep(0.05)
         return code
+
+    def _wait_eof(self, timeout: float) -> int:
+        """A frontend on another node: -1 once its connection ends (what it still sends is dropped)."""
+        deadline = time.monotonic() + timeout
+        while not self.closed and (left := deadline - time.monotonic()) > 0:
+            if not select.select([self.sock], [], [], left)[0]:
+                break
+            try:
+                if not self.sock.recv(1 << 16):
+                    return -1
+            except OSError:
+                return -1
+        raise TimeoutError
 
     def send(self, data: bytes) -> bool:
         """Write one or more frames; False when the frontend is gone or hung (it is killed then)."""

@@ -108,7 +108,7 @@ def _run_replica_server(runtime: Runtime, sock: socket.socket | None, frontends:
         raise ConfigError("data_parallel_size > 1 needs API frontend processes: server.api_processes >= 1 "
                           "(--api-server-count), not 0")
     runtime.replicas = None  # the offline batch protocol is not used: each replica stops on its own
-    listen, names = replica_sockets.exchange(runtime, frontends)
+    listen, endpoints = replica_sockets.exchange(runtime, frontends)
     if runtime.dp_rank > 0:
         assert listen is not None
         try:
@@ -120,7 +120,7 @@ def _run_replica_server(runtime: Runtime, sock: socket.socket | None, frontends:
     logger.info("model %r (max_model_len=%d), %d data-parallel replicas, API key %s", runtime.model_info.name,
                 runtime.model_info.max_model_len, runtime.dp_size, "required" if server_cfg.api_key else "not required")
     try:
-        return EngineLoop(runtime, sock, frontends, socket_url(sock), access_log, replicas=names).run()
+        return EngineLoop(runtime, sock, frontends, socket_url(sock), access_log, replicas=endpoints).run()
     finally:
         sock.close()
 

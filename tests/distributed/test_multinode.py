@@ -4,7 +4,8 @@ Node 1 runs inside ``unshare --uts --mount --pid --fork --mount-proc`` with
 its own hostname and a private tmpfs on /dev/shm, so the two nodes share no
 shared memory, no pids and no hostname: only the loopback network joins them,
 as the network joins two machines. Two ranks per node, TP = 4 (or TP = 2 x PP = 2, a pipeline
-stage per node), gloo on CPU.
+stage per node, or DP = 2 x TP = 2, a replica per node; one rank per node for the served DP = 2 x TP = 1),
+gloo on CPU.
 
 - greedy output of a batch of mixed-length prompts equals HF transformers and
   single-node TP = 4, token for token;
@@ -14,7 +15,13 @@ stage per node), gloo on CPU.
 - SIGKILL of every node-0 process: node 1's ranks and torchrun exit on their
   own within the bound, and node 1's private /dev/shm is empty afterwards;
 - pipeline stages across the nodes (TP = 2 in each, PP = 2): greedy equals HF, and losing
-  either node ends the other within the bound, naming the lost rank and its host.
+  either node ends the other within the bound, naming the lost rank and its host;
+- data-parallel replicas across the nodes: offline (DP = 2 x TP = 2, a replica per node, each
+  with its own step channel and shared-memory all-reduce) greedy equals HF; a wrong
+  --data-parallel-size-local fails every rank of both nodes before the model loads; served (DP = 2 x
+  TP = 1, one rank per node, node 1's engine reached over TCP with a secret) greedy equals HF with
+  requests pinned to each replica and unpinned, and losing node 1 (offline or under load) ends
+  node 0 non-zero within the bound with the lost rank named, every client answered, nothing left behind.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,13 +87,16 @@ def free_port() -> int:
 class TwoNodes:
     """Node 0's torchrun on this host, node 1's inside new namespaces; both read in the background."""
 
-    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None, nproc: int = 2,
+                 script: str = "launch/generate.py", node0_args: tuple[str, ...] | None = None) -> None:
+        """``node0_args`` (default: ``--output out0.jsonl``) go to node 0's ranks only."""
         port = free_port()
-        common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+        common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
                   "--master-addr", "127.0.0.1", "--master-port", str(port)]
         full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-        node0 = [*common, "--node-rank", "0", "launch/generate.py", *args, "--output", str(tmp / "out0.jsonl")]
-        node1 = shlex.join([*common, "--node-rank", "1", "launch/generate.py", *args])  # writes no output
+        extra = ("--output", str(tmp / "out0.jsonl")) if node0_args is None else node0_args
+        node0 = [*common, "--node-rank", "0", script, *args, *extra]
+        node1 = shlex.join([*common, "--node-rank", "1", script, *args])  # writes no output
         # Node 1's shell reports torchrun's exit code and what is left in its private /dev/shm.
         script = f'{_NS_SETUP} && {node1}; rc=$?; echo "NODE1 rc=$rc shm=[$(ls -A /dev/shm)]"; exit $rc'
         self.procs = [
@@ -154,8 +166,8 @@ def rtp_segments(pids) -> list[str]:
 def two_nodes(tmp_path):
     runs: list[TwoNodes] = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> TwoNodes:
-        runs.append(TwoNodes(tmp_path, *args, env=env))
+    def start(*args: str, **kwargs: Any) -> TwoNodes:
+        runs.append(TwoNodes(tmp_path, *args, **kwargs))
         return runs[-1]
 
     yield start
@@ -292,3 +304,138 @@ def test_pipeline_across_nodes_losing_a_node_stops_the_other(tmp_path, two_nodes
         assert not rtp_segments(pids.values()), "node 0 left a shared-memory segment behind"
     else:
         assert re.search(r"NODE1 rc=[1-9]\d* shm=\[\]", out), out[-2000:]  # node 1's private /dev/shm is empty
+
+
+# Data parallelism across the two nodes: one replica per node.
+DP_LENGTHS = [1, 90, 5, 40, 17, 64, 2]
+_REPLICA_LOG = (r"\[rank{rank}\] INFO rtp\.runtime\.startup: data-parallel replica {d}: global ranks {first}\.\.{last} "
+                r"on node {d}, step channel (rtp_\S+), CPU all-reduce in shared memory")
+
+
+def test_data_parallel_across_nodes_generate_equals_hf(tmp_path, two_nodes):
+    model = default_model_dir()
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in DP_LENGTHS]
+    lines = [{"prompt_token_ids": p, "temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+             for p in prompts]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # DP = 2 x TP = 2: replica 0 is ranks 0..1 on node 0, replica 1 ranks 2..3 on node 1 (the cross-check agrees).
+    args = ["--config", str(config(tmp_path, max_num_batched_tokens=48, data_parallel_size=2)),
+            "--data-parallel-size-local", "1", "--prompts-file", str(tmp_path / "in.jsonl")]
+    run = two_nodes(*args)
+    rcs = [run.wait(0, 240), run.wait(1, 60)]
+    assert rcs == [0, 0], f"node 0:\n{run.output[0][-3000:]}\nnode 1:\n{run.output[1][-3000:]}"
+    assert "NODE1 rc=0 shm=[]" in run.output[1], run.output[1][-2000:]
+    got = [json.loads(x)["token_ids"] for x in (tmp_path / "out0.jsonl").read_text().splitlines()]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert got == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    # Each replica on its own node, with a step channel and a shared-memory all-reduce of its own there,
+    # and each generated its round-robin share.
+    for node, (rank, d, first, last) in enumerate([(0, 0, 0, 1), (2, 1, 2, 3)]):
+        out = run.output[node]
+        assert re.search(_REPLICA_LOG.format(rank=rank, d=d, first=first, last=last), out), out[-3000:]
+        share = (len(DP_LENGTHS) + 1 - d) // 2
+        assert f"[rank{rank}] INFO rtp.runtime.coordinator: generated {share} requests" in out, out[-3000:]
+    assert "replica 1: shutdown" in run.output[1]
+
+
+def test_data_parallel_across_nodes_losing_node1_stops_node0(tmp_path, two_nodes, long_job):
+    run = two_nodes(*long_job, "--data-parallel-size", "2")  # DP = 2 x TP = 2, replica 1 on node 1
+    run.wait_for(0, "generate:")
+    pids = dict(run.rank_pids)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    run.kill_node1()
+    rc = run.wait(0, BOUND_S + 30)
+    elapsed = time.monotonic() - t0
+    out = run.output[0]
+    assert rc != 0
+    assert elapsed < BOUND_S, f"node 0 took {elapsed:.1f} s:\n{out[-3000:]}"
+    # Rank 0 (in its share's step or waiting for replica 1's) ends with the lost rank named, not gloo's error.
+    assert re.search(rf"^error: rank [23] \(pid \d+ on host {NODE1}\) was lost", out, re.M), out[-3000:]
+    assert "Connection closed by peer" not in out and "failed its share" not in out, out[-3000:]
+    assert not any(pid_alive(p) for p in pids.values()), "node 0 ranks outlived the run"
+    assert not rtp_segments(pids.values()), "node 0 left a shared-memory segment behind"
+
+
+def test_a_wrong_data_parallel_size_local_fails_both_nodes_before_loading(tmp_path, two_nodes):
+    (tmp_path / "one.jsonl").write_text(json.dumps({"prompt": "Once", "max_tokens": 2}) + "\n")
+    args = ["--config", str(config(tmp_path, data_parallel_size=2)), "--data-parallel-size-local", "2",
+            "--prompts-file", str(tmp_path / "one.jsonl")]
+    run = two_nodes(*args, nproc=1)  # one rank per node: each node holds one replica, not 2
+    rcs = [run.wait(0, 120), run.wait(1, 60)]
+    for node, out in enumerate(run.output):
+        assert rcs[node] != 0, out[-3000:]
+        assert ("data_parallel_size_local=2 (--data-parallel-size-local) on node 0, but node 0 holds 1 replica(s): "
+                "its 1 ranks / TP 1") in out, out[-3000:]
+        assert "rtp.model.loader" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(420)
+def test_data_parallel_serving_across_nodes(tmp_path, two_nodes):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.server.test_serve_dp import complete, replica_metric
+    from tests.server.test_serve_e2e import read_stream
+
+    cfg = config(tmp_path, data_parallel_size=2, cpu_kv_cache_gib=0.25, liveness_timeout_s=LIVENESS_S)
+    run = two_nodes("--config", str(cfg), nproc=1, script="launch/serve.py", node0_args=("--port", "0"))
+    run.wait_for(0, "serving on", timeout=240)
+    url, frontend = re.search(r"serving on (http://\S+) \(1 API frontend process\(es\): pid (\d+)\)",
+                              run.output[0]).groups()
+    # Node 1's replica is reached over TCP (it is on another node), node 0's frontend connected with the secret.
+    assert re.search(r"\[rank1\] INFO rtp\.server\.replica_sockets: replica 1: the API frontends connect over TCP "
+                     r"127\.0\.0\.1:\d+", run.output[1]), run.output[1][-3000:]
+    assert "refused a connection" not in run.output[1]
+
+    # Greedy, mixed prompts all at once: pinned to replica 0, pinned to replica 1, routed.
+    model = default_model_dir()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (1, 40, 7, 100, 17, 64)]
+    pins = [0, 1, None, 1, 0, None]
+    with torch.no_grad():
+        want = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    before = replica_metric(url, "rtp_replica_routed_requests")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda pp: complete(url, pp[0], MAX_TOKENS, pp[1]), zip(prompts, pins)))
+    tok = AutoTokenizer.from_pretrained(model)
+    for r, w in zip(responses, want):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tok.decode(w)
+    after = replica_metric(url, "rtp_replica_routed_requests")
+    routed = [after[d] - before.get(d, 0) for d in (0, 1)]
+    assert min(routed) >= 2 and sum(routed) == len(prompts), routed
+
+    # Node 1 lost under load: half the streams run there, half on node 0.
+    clients = 8
+    results: list[dict] = [{} for _ in range(clients)]
+    threads = [threading.Thread(target=read_stream, args=(url, {"prompt": f"Story {i}:", "max_tokens": 1900,
+                                                                "ignore_eos": True, "stream": True}, results[i],
+                                                          {"X-Data-Parallel-Rank": str(i % 2)}))
+               for i in range(clients)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(bool(r.get("started")) for r in results) < clients:
+        assert time.monotonic() < deadline, f"the requests did not start streaming: {results}"
+        time.sleep(0.05)
+    pids = dict(run.rank_pids)
+    assert sorted(pids) == [0], pids
+    t0 = time.monotonic()
+    run.kill_node1()
+    for t in threads:
+        t.join(max(0.0, t0 + BOUND_S + 20 - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), run.output[0][-4000:]
+    rc = run.wait(0, BOUND_S + 30)
+    elapsed = time.monotonic() - t0
+    out = run.output[0]
+    for i, r in enumerate(results):  # every stream ended with an error event naming node 1's rank and host
+        assert r["error"] and "rank 1 (pid" in str(r["error"]) and NODE1 in str(r["error"]), (i, r, out[-3000:])
+    assert rc != 0
+    assert elapsed < BOUND_S, f"node 0 took {elapsed:.1f} s:\n{out[-3000:]}"
+    assert not any(pid_alive(p) for p in [*pids.values(), int(frontend)]), "node 0 processes outlived the run"
+    assert not rtp_segments(pids.values()), "node 0 left a shared-memory segment behind"

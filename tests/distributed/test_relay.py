@@ -16,7 +16,7 @@ import pytest
 
 from rtp.distributed.heartbeat import Heartbeat, HeartbeatRelay
 from rtp.distributed.liveness import Watchdog
-from rtp.distributed.parallel import Topology
+from rtp.distributed.parallel import ParallelState, Topology, replicas_per_node
 from rtp.errors import ConfigError
 
 # --------------------------------------------------------------------------- topology
@@ -40,6 +40,50 @@ def test_topology_errors_name_the_problem(entries, words):
         Topology.from_ranks(entries)
     for w in words:
         assert w in str(e.value)
+
+
+def _topology(nodes: list[int]) -> Topology:
+    local = {n: 0 for n in nodes}
+    entries = []
+    for n in nodes:
+        entries.append((f"host{n}", 100 + len(entries), n, local[n]))
+        local[n] += 1
+    return Topology.from_ranks(entries)
+
+
+@pytest.mark.parametrize("nodes, dp, per_node", [
+    ([0, 0, 1, 1], 2, [1, 1]),  # two nodes of 2 ranks: DP 2 x TP 2, a replica per node
+    ([0, 0, 1, 1], 4, [2, 2]),  # DP 4 x TP 1
+    ([0, 0, 0, 0, 1, 1], 3, [2, 1]),  # unequal nodes that split no replica: fine
+    ([0, 0, 0, 0], 2, [2]),  # one node
+])
+def test_replicas_per_node(nodes, dp, per_node):
+    assert replicas_per_node(_topology(nodes), dp) == per_node
+    # data_parallel_size_local given on some ranks, right: accepted
+    assert replicas_per_node(_topology(nodes), dp, [per_node[n] if r % 2 else None for r, n in enumerate(nodes)])
+
+
+@pytest.mark.parametrize("nodes, dp, words", [
+    # TP 2 does not divide node 0's 3 ranks: replica 1 (ranks 2..3) has one rank on each node
+    ([0, 0, 0, 1], 2, ["replica 1 (global ranks 2..3, TP 2) would span nodes 0 and 1",
+                       "node 0 has 3, node 1 has 1", "world 4 = data_parallel_size 2 x TP 2"]),
+    # TP 4 over two 2-rank nodes: the one replica would need both nodes
+    ([0, 0, 1, 1, 2, 2, 3, 3], 2, ["replica 0 (global ranks 0..3, TP 4) would span nodes 0 and 1"]),
+])
+def test_a_replica_spanning_nodes_fails_naming_the_numbers(nodes, dp, words):
+    with pytest.raises(ConfigError) as e:
+        replicas_per_node(_topology(nodes), dp)
+    assert "\n" not in str(e.value)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_data_parallel_size_local_must_match_the_node():
+    with pytest.raises(ConfigError, match=r"^data_parallel_size_local=2 \(--data-parallel-size-local\) on node 1, "
+                                          r"but node 1 holds 1 replica\(s\): its 2 ranks / TP 2"):
+        replicas_per_node(_topology([0, 0, 1, 1]), 2, [None, None, 2, 2])
+    with pytest.raises(ConfigError, match="data_parallel_size_local=2 needs data_parallel_size > 1"):
+        ParallelState.from_env("cpu", data_parallel_size_local=2)  # refused before torch.distributed starts
 
 
 # --------------------------------------------------------------------------- heartbeat relay

@@ -108,3 +108,20 @@ def test_speculative_config_flag_is_json_and_its_errors_name_the_key():
         config_of(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'])
     with pytest.raises(SystemExit):
         config_of(["--speculative-config", "{method: ngram}"])  # not JSON: argparse's one-line error
+
+
+def test_data_parallel_size_local_flag_is_a_cross_check():
+    from rtp.errors import RtpError
+    from rtp.launcher import ranks_to_start
+
+    assert config_of(["-dp", "4", "--data-parallel-size-local", "2"]).parallel.data_parallel_size_local == 2
+    assert config_of(["-dp", "4", "-dpl", "1"]).parallel.data_parallel_size_local == 1
+    with pytest.raises(ConfigError, match="data_parallel_size_local.*at most.*2"):
+        config_of(["-dp", "2", "--data-parallel-size-local", "3"])
+    args = serve.parse_args(["-dp", "2", "-dpl", "2"])
+    args.nproc_per_node = None
+    assert ranks_to_start("rtp.entrypoints.serve", args) == 2
+    args = serve.parse_args(["-dp", "2", "-dpl", "1"])  # `rtp serve` is one node: it holds both replicas
+    args.nproc_per_node = None
+    with pytest.raises(RtpError, match="--data-parallel-size-local 1 and --data-parallel-size 2 disagree"):
+        ranks_to_start("rtp.entrypoints.serve", args)
