@@ -12,9 +12,11 @@ reuses them; panels are spread over the threads. With few rows (decode) the
 tiles also prefetch the next slice of weights from memory. Long inputs (prompt steps) run in
 blocks of 240 rows, so that the rows a panel reads come from L2.
 
-Weights may be float32 or bfloat16 (bf16 is widened to fp32 in registers: half
-the bytes to stream, fp32 arithmetic, so it also serves CPUs without native bf16
-instructions). Activations are computed in fp32; the output has the input's dtype.
+Weights may be float32, bfloat16 or int8 (bf16 and int8 are widened to fp32 in
+registers: half or a quarter of the bytes to stream, fp32 arithmetic, so it also
+serves CPUs without native bf16 or int8 dot products). int8 panels come with a
+per-output-column scale, applied once per output. Activations are computed in
+fp32; the output has the input's dtype.
 
 :func:`available` says whether the kernel built (on first use, like the CPU
 attention kernel); where it did not, the runtime keeps oneDNN or ``F.linear``.
@@ -53,6 +55,14 @@ static inline v8f load8(const at::BFloat16* p) {
   v8f v; std::memcpy(&v, u, sizeof v); return v;
 }
 
+static inline v8f load8(const int8_t* p) {
+  // Sign-extend to int32 lanes, then convert (one vpmovsxbd + vcvtdq2ps on AVX2; converting an 8-byte
+  // vector directly compiles to a scalar conversion per lane).
+  typedef int32_t v8i __attribute__((vector_size(32)));
+  const v8i v = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+  return __builtin_convertvector(v, v8f);
+}
+
 // acc[r] (16 floats of output row r) += x[r, k0:k0+kc] . w_panel[k0:k0+kc, :16], for R rows.
 template <int R, typename W>
 static inline void tile(const float* x, int64_t ldx, const W* w, int64_t kc, float* acc, const char* pf,
@@ -86,15 +96,17 @@ static void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int
 }
 
 template <typename W>
-static void gemm_impl(const float* x, const W* wp, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  // x: [M, K] fp32; wp: [ceil(N / NR), K, NR]; y: [M, N] fp32.
+static void gemm_impl(const float* x, const W* wp, const float* bias, const float* scale, float* y, int64_t M,
+                      int64_t N, int64_t K) {
+  // x: [M, K] fp32; wp: [ceil(N / NR), K, NR]; y: [M, N] fp32 = (x wᵀ) * scale + bias (scale: [N] or null).
   const int64_t panels = (N + NR - 1) / NR;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * NR);  // this panel's outputs, all rows
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * NR, nc = std::min(NR, N - n0);
+      const bool bias_first = bias != nullptr && scale == nullptr;  // else the bias joins after the scale
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < NR; ++j) acc[m * NR + j] = (bias != nullptr && j < nc) ? bias[n0 + j] : 0.f;
+        for (int64_t j = 0; j < NR; ++j) acc[m * NR + j] = (bias_first && j < nc) ? bias[n0 + j] : 0.f;
       const W* panel = wp + p * K * NR;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
@@ -115,6 +127,10 @@ static void gemm_impl(const float* x, const W* wp, const float* bias, float* y, 
           tile_rows(std::min(MR, M - m0), x + m0 * K + k0, K, panel + k0 * NR, kc, acc.data() + m0 * NR, pf, npf);
         }
       }
+      if (scale != nullptr)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = 0; j < nc; ++j)
+            acc[m * NR + j] = acc[m * NR + j] * scale[n0 + j] + (bias != nullptr ? bias[n0 + j] : 0.f);
       for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, acc.data() + m * NR, nc * sizeof(float));
     }
   });
@@ -129,11 +145,20 @@ torch::Tensor pack(torch::Tensor w) {
   return padded.view({panels, NR, K}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<torch::Tensor> bias) {
+torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<torch::Tensor> bias,
+                   c10::optional<torch::Tensor> scale) {
   // x: [M, K] (any float dtype; computed in fp32); wp from pack(); returns [M, N] in x's dtype.
+  // int8 panels need scale [N] (output column n is multiplied by scale[n]); the others take none.
   TORCH_CHECK(wp.dim() == 3 && wp.size(2) == NR && wp.size(0) * NR >= N, "gemm: not a packed weight");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == wp.size(1), "gemm: x does not fit the weight");
-  TORCH_CHECK(wp.scalar_type() == at::kFloat || wp.scalar_type() == at::kBFloat16, "gemm: fp32 or bf16 weights");
+  const auto wt = wp.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "gemm: fp32, bf16 or int8 weights");
+  TORCH_CHECK((wt == at::kChar) == scale.has_value(), "gemm: int8 weights need a scale, other weights take none");
+  torch::Tensor sc;
+  if (scale.has_value()) {
+    sc = scale->to(at::kFloat).contiguous();
+    TORCH_CHECK(sc.dim() == 1 && sc.size(0) == N, "gemm: the scale must be [N]");
+  }
   const auto out_dtype = x.scalar_type();
   auto xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1);
@@ -144,16 +169,19 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<t
     // No Python object is touched below: let other threads (the heartbeat) run meanwhile.
     pybind11::gil_scoped_release no_gil;
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    const float* sp = sc.defined() ? sc.data_ptr<float>() : nullptr;
     // Row blocks of MB: every panel re-reads its block's rows, which then stay in L2 (prompt steps
     // have thousands of rows; a whole block per panel made them come from L3: 10-15% slower).
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int64_t mb = std::min(MB, M - m0);
       const float* xb = xf.data_ptr<float>() + m0 * K;
       float* yb = y.data_ptr<float>() + m0 * N;
-      if (wp.scalar_type() == at::kFloat)
-        gemm_impl<float>(xb, wp.data_ptr<float>(), bp, yb, mb, N, K);
+      if (wt == at::kFloat)
+        gemm_impl<float>(xb, wp.data_ptr<float>(), bp, nullptr, yb, mb, N, K);
+      else if (wt == at::kBFloat16)
+        gemm_impl<at::BFloat16>(xb, wp.data_ptr<at::BFloat16>(), bp, nullptr, yb, mb, N, K);
       else
-        gemm_impl<at::BFloat16>(xb, wp.data_ptr<at::BFloat16>(), bp, yb, mb, N, K);
+        gemm_impl<int8_t>(xb, wp.data_ptr<int8_t>(), bp, sp, yb, mb, N, K);
     }
   }
   return out_dtype == at::kFloat ? y : y.to(out_dtype);
@@ -174,16 +202,19 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` (fp32 or bf16) as panels ``[ceil(N / 16), K, 16]`` for :func:`linear`."""
+    """``weight [N, K]`` (fp32, bf16 or int8) as panels ``[ceil(N / 16), K, 16]`` for :func:`linear`."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU GEMM kernel is not available on this machine")
     return module.pack(weight.detach())
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [M, K]`` from ``packed = pack(weight)``; ``out_features`` = N."""
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [M, K]`` from ``packed = pack(weight)``; ``out_features`` = N.
+
+    int8 panels need ``scale [N]``: the result is ``F.linear(x, q * scale[:, None], bias)``.
+    """
     module = load()
     assert module is not None, "pack() succeeded, so the kernel is loaded"
-    return module.gemm(x, packed, out_features, bias)
+    return module.gemm(x, packed, out_features, bias, scale)

@@ -30,6 +30,27 @@ def test_gemm_matches_float64_linear(rows: int, out_f: int, in_f: int, weight_dt
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * in_f**0.5 * 4)
 
 
+@pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (8, 100, 513), (13, 48, 1024), (500, 40, 70)])
+def test_int8_panels_with_scales_match_float64_dequantized_linear(rows: int, out_f: int, in_f: int) -> None:
+    gen = torch.Generator().manual_seed(rows + out_f)
+    x = torch.randn(rows, in_f, generator=gen)
+    q = torch.randint(-127, 128, (out_f, in_f), generator=gen, dtype=torch.int8)
+    scale = torch.rand(out_f, generator=gen) / 127 + 1e-3
+    b = torch.randn(out_f, generator=gen)
+    packed = cpu_gemm.pack(q)
+    assert packed.dtype == torch.int8
+    w = q.double() * scale.double()[:, None]  # [N, K]
+    for bias in (None, b):
+        ref = F.linear(x.double(), w, None if bias is None else bias.double())
+        got = cpu_gemm.linear(x, packed, out_f, bias, scale)
+        assert got.shape == (rows, out_f) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * in_f**0.5 * 4)
+    with pytest.raises(RuntimeError, match="need a scale"):
+        cpu_gemm.linear(x, packed, out_f)
+    with pytest.raises(RuntimeError, match="must be"):
+        cpu_gemm.linear(x, packed, out_f, None, scale[:-1])
+
+
 def test_output_takes_the_input_dtype() -> None:
     x = torch.randn(5, 64).bfloat16()
     w = torch.randn(32, 64).bfloat16()

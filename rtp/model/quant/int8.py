@@ -6,10 +6,14 @@ a rank's scales cover its own slice) gets symmetric per-output-channel scales,
 ``scale[n] = max_k |W[n, k]| / 127`` and ``q = round(W / scale)`` in [-127, 127]; the product is
 ``y = (x qᵀ) * scale`` with activations in the compute dtype.
 
-On CPU the product is torch's ``_weight_int8pack_mm`` (x in fp32 or bf16, int8 ``[N, K]``, scale
-``[N]``). Its bf16 kernel crashes the process when K is not a multiple of 8 (torch 2.13), so those
-shapes, other dtypes and other devices (CUDA: W8A16 dequantize-then-matmul) take
-``F.linear(x, q.to(x.dtype)) * scale``. The LM head, the MoE router and the experts stay as they are.
+On CPU with fp32 activations the product is rtp's panel GEMM over int8 panels (the weight widened
+in registers, the scale applied once per output: it streams a quarter of fp32's bytes; torch's
+``_weight_int8pack_mm`` computes fp32 at 1-3 GB/s of weight, 10-40x slower at M = 1-32 on an
+AVX-512 CPU). With bf16 activations it is ``_weight_int8pack_mm`` (x in bf16, int8 ``[N, K]``,
+scale ``[N]``), which measured faster than the panels there. That bf16 kernel crashes the process
+when K is not a multiple of 8 (torch 2.13), so those shapes, other dtypes and other devices (CUDA:
+W8A16 dequantize-then-matmul) take ``F.linear(x, q.to(x.dtype)) * scale``. The LM head, the MoE
+router and the experts stay as they are.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rtp.kernels import cpu_gemm
 from rtp.model.linear import PLAIN, ColumnParallelLinear, LinearBase, PlainLinearMethod, RowParallelLinear
 
 
@@ -38,7 +43,8 @@ def int8_kernel_supported(device: torch.device, dtype: torch.dtype, in_features:
 
 
 class Int8WeightOnlyMethod(PlainLinearMethod):
-    """Loads the plain weight, then holds ``int8_weight [N, K]`` and ``int8_scale [N]`` in its place."""
+    """Loads the plain weight, then holds ``int8_weight [N, K]`` and ``int8_scale [N]`` in its place (and,
+    for fp32 on CPU where rtp's GEMM builds, the same int8 values as panels, ``int8_panels``)."""
 
     name = "int8"
 
@@ -48,6 +54,9 @@ class Int8WeightOnlyMethod(PlainLinearMethod):
         layer.int8_weight, layer.int8_scale = q, scale.to(w.dtype)
         layer.out_features = w.shape[0]
         layer.int8_kernel = int8_kernel_supported(w.device, w.dtype, w.shape[1])
+        layer.int8_panels = None
+        if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_gemm.available():
+            layer.int8_panels = cpu_gemm.pack(q)  # [ceil(N / 16), K, 16]
         if not keep_plain:
             layer.weight.data = torch.empty(0, dtype=w.dtype, device=w.device)
 
@@ -55,6 +64,9 @@ class Int8WeightOnlyMethod(PlainLinearMethod):
         # x [T, K] -> [T, N]
         q, scale = layer.int8_weight, layer.int8_scale
         assert q is not None and scale is not None, "int8 weights are set after loading"
+        panels = layer.int8_panels
+        if panels is not None and x.dtype == torch.float32:
+            return cpu_gemm.linear(x, panels, layer.out_features, bias, scale)
         if layer.int8_kernel and x.dtype == scale.dtype:
             y = torch._weight_int8pack_mm(x.contiguous(), q, scale)
         else:

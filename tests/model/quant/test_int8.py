@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rtp.distributed.parallel import ParallelState
+from rtp.kernels import cpu_gemm
 from rtp.model.linear import ColumnParallelLinear, RowParallelLinear
 from rtp.model.quant.int8 import INT8, int8_kernel_supported, quantize_int8, quantize_per_channel
 from rtp.runtime.model_runner import load_model
@@ -26,7 +27,7 @@ def test_per_channel_quantization_is_within_half_a_step():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(24, 96), (40, 100), (64, 256)])
-@pytest.mark.parametrize("kernel", [True, False], ids=["int8pack", "fallback"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "fallback"])
 def test_int8_linear_matches_dequantized_reference(dtype, n, k, kernel):
     g = torch.Generator().manual_seed(n * k)
     layer = ColumnParallelLinear(k, n, ONE, bias=True)
@@ -35,7 +36,11 @@ def test_int8_linear_matches_dequantized_reference(dtype, n, k, kernel):
     layer.method = INT8
     INT8.process_weights_after_loading(layer)
     assert layer.int8_kernel == int8_kernel_supported(torch.device("cpu"), dtype, k)
+    # fp32 on CPU: rtp's int8 panels where the GEMM builds; bf16: torch's int8 kernel where it computes
+    assert (layer.int8_panels is not None) == (dtype == torch.float32 and cpu_gemm.available())
     layer.int8_kernel = layer.int8_kernel and kernel
+    if not kernel:
+        layer.int8_panels = None
     x = torch.randn(7, k, generator=g).to(dtype)
     want = x.double() @ (layer.int8_weight.double() * layer.int8_scale.double()[:, None]).T + layer.bias.double()
     got = layer(x)
