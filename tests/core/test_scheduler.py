@@ -706,24 +706,21 @@ def test_prompt_logit_rows_must_be_positive() -> None:
         SchedulerLimits(4, 64, 64, 4, 32, True, max_prompt_logit_rows=0)
 
 
-def test_steps_in_flight_never_preempt_busy_sequences_and_pipeline_only_silent_prefill_chunks() -> None:
-    """Pipeline stages: two steps outstanding. A sequence in flight is never preempted, and is scheduled
-    again only to go on with its prefill while none of its chunks in flight samples; the mirror (KV
-    content included) stays right throughout."""
-    sched, world = make(block_size=2, num_blocks=24, budget=8, max_model_len=64)
-    seqs = [seq(i, list(range(1 + i, 4 + i + 10 * i)), max_tokens=10, ignore_eos=True) for i in range(3)]
-    for s in seqs:
-        sched.add(s)
+def run_two_in_flight(sched: Scheduler, world: World, seqs: list[Sequence], max_steps: int) -> int:
+    """Drive ``sched`` as the pipelined engine does: two steps outstanding, outputs back in the order sent,
+    ``busy`` holding each sequence's tokens in flight. Checks at every step that a busy sequence is never
+    preempted and is scheduled again only to go on with a prefill whose chunks in flight sample nothing
+    (and the mirror, KV content included). Returns how many times a busy sequence was scheduled again."""
     in_flight: list[ScheduleResult] = []
     busy: dict[int, int] = {}
     steps = pipelined = 0
     while sched.has_unfinished():
-        assert steps < 300, "no progress"
+        assert steps < max_steps, "no progress"
         steps += 1
         result = sched.schedule(busy=busy, max_seqs=2)
         assert len(result.seqs) <= 2
         for s in result.seqs:
-            if s.seq_id in busy:  # again while in flight: only a prefill whose chunks there sample nothing
+            if s.seq_id in busy:
                 pipelined += 1
                 assert not any(r.needs_sample[r.seqs.index(s)] for r in in_flight if s in r.seqs), s
                 assert s.num_computed_tokens + busy[s.seq_id] < s.num_tokens
@@ -736,43 +733,31 @@ def test_steps_in_flight_never_preempt_busy_sequences_and_pipeline_only_silent_p
             for s, n in zip(result.seqs, result.num_new_tokens):
                 busy[s.seq_id] = busy.get(s.seq_id, 0) + n
         if in_flight and (len(in_flight) == 2 or not result.seqs):
-            done = in_flight.pop(0)  # outputs come back in the order the steps were sent
+            done = in_flight.pop(0)
             for s, n in zip(done.seqs, done.num_new_tokens):
                 if (left := busy.pop(s.seq_id) - n) > 0:
                     busy[s.seq_id] = left
             sched.postprocess(done, [7] * sum(done.needs_sample))
+    return pipelined
+
+
+def test_steps_in_flight_pipeline_only_prefill_chunks_that_sample_nothing() -> None:
+    """Prompts of 3-23 tokens, 8 tokens per step: a long prompt's next chunk follows the one in flight."""
+    sched, world = make(block_size=2, num_blocks=24, budget=8, max_model_len=64)
+    seqs = [seq(i, list(range(1 + i, 4 + i + 10 * i)), max_tokens=10, ignore_eos=True) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    assert run_two_in_flight(sched, world, seqs, 300) > 0, "no prefill chunk followed another one in flight"
     assert all(s.num_completion_tokens == 10 for s in seqs)
-    assert pipelined > 0, "no prefill chunk followed another one in flight"
 
 
 def test_steps_in_flight_preempt_only_idle_sequences() -> None:
-    """Two steps outstanding over a cache too small for every sequence: preemptions happen, never of a
-    sequence in flight."""
+    """Short prompts (one chunk each) over a cache too small for every sequence: preemptions happen, never of
+    a sequence in flight, and a decoding sequence in flight is never scheduled again."""
     sched, world = make(block_size=2, num_blocks=8, budget=32, max_model_len=32)
     seqs = [seq(i, [1 + i, 2, 3], max_tokens=10, ignore_eos=True) for i in range(3)]
     for s in seqs:
         sched.add(s)
-    in_flight: list[ScheduleResult] = []
-    busy: dict[int, int] = {}
-    steps = 0
-    while sched.has_unfinished():
-        assert steps < 200, "no progress"
-        steps += 1
-        result = sched.schedule(busy=busy, max_seqs=2)
-        ids = {s.seq_id for s in result.seqs}
-        assert not ids & busy.keys(), "a decoding sequence in flight was scheduled again"
-        for s in seqs:
-            if s.seq_id in busy:
-                assert s.status is SequenceStatus.RUNNING, "a sequence in flight was preempted"
-        if result.seqs:
-            world.apply(result, busy)
-            in_flight.append(result)
-            for s, n in zip(result.seqs, result.num_new_tokens):
-                busy[s.seq_id] = busy.get(s.seq_id, 0) + n
-        if in_flight and (len(in_flight) == 2 or not result.seqs):
-            done = in_flight.pop(0)
-            for s in done.seqs:
-                busy.pop(s.seq_id)
-            sched.postprocess(done, [7] * sum(done.needs_sample))
+    assert run_two_in_flight(sched, world, seqs, 200) == 0
     assert all(s.num_completion_tokens == 10 for s in seqs)
     assert sched.stats.num_preemptions > 0  # 8 blocks of 2 for 3 x 13 tokens: the cache ran out
