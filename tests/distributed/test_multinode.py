@@ -257,25 +257,31 @@ def test_losing_node0_stops_node1(two_nodes, long_job):
 PP_ACROSS = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
 
 
-def test_pipeline_across_nodes_greedy_equals_hf(tmp_path, two_nodes):
-    model = default_model_dir()
-    g = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in LENGTHS]
+def _greedy_across_nodes_equals_hf(tmp_path, two_nodes, seed: int, lengths: list[int], config_file: Path,
+                                   *extra: str):
+    """Run ``lengths``' random prompts greedily on the two nodes (``extra``: more launcher flags), check both
+    exit 0 with node 1's /dev/shm empty and the tokens equal HF's; returns the run."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in lengths]
     lines = [{"prompt_token_ids": p, "temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
              for p in prompts]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    args = ["--config", str(config(tmp_path, max_num_batched_tokens=48, **PP_ACROSS)),
-            "--prompts-file", str(tmp_path / "in.jsonl")]
-    run = two_nodes(*args)
+    run = two_nodes("--config", str(config_file), *extra, "--prompts-file", str(tmp_path / "in.jsonl"))
     rcs = [run.wait(0, 240), run.wait(1, 60)]
     assert rcs == [0, 0], f"node 0:\n{run.output[0][-3000:]}\nnode 1:\n{run.output[1][-3000:]}"
     assert "NODE1 rc=0 shm=[]" in run.output[1], run.output[1][-2000:]
-    two = [json.loads(x)["token_ids"] for x in (tmp_path / "out0.jsonl").read_text().splitlines()]
+    got = [json.loads(x)["token_ids"] for x in (tmp_path / "out0.jsonl").read_text().splitlines()]
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
     with torch.no_grad():
-        assert two == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+        assert got == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    return run
+
+
+def test_pipeline_across_nodes_greedy_equals_hf(tmp_path, two_nodes):
+    _greedy_across_nodes_equals_hf(tmp_path, two_nodes, 12, LENGTHS,
+                                   config(tmp_path, max_num_batched_tokens=48, **PP_ACROSS))
 
 
 @pytest.mark.parametrize("lost", [1, 0])
@@ -313,25 +319,10 @@ _REPLICA_LOG = (r"\[rank{rank}\] INFO rtp\.runtime\.startup: data-parallel repli
 
 
 def test_data_parallel_across_nodes_generate_equals_hf(tmp_path, two_nodes):
-    model = default_model_dir()
-    g = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in DP_LENGTHS]
-    lines = [{"prompt_token_ids": p, "temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-             for p in prompts]
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     # DP = 2 x TP = 2: replica 0 is ranks 0..1 on node 0, replica 1 ranks 2..3 on node 1 (the cross-check agrees).
-    args = ["--config", str(config(tmp_path, max_num_batched_tokens=48, data_parallel_size=2)),
-            "--data-parallel-size-local", "1", "--prompts-file", str(tmp_path / "in.jsonl")]
-    run = two_nodes(*args)
-    rcs = [run.wait(0, 240), run.wait(1, 60)]
-    assert rcs == [0, 0], f"node 0:\n{run.output[0][-3000:]}\nnode 1:\n{run.output[1][-3000:]}"
-    assert "NODE1 rc=0 shm=[]" in run.output[1], run.output[1][-2000:]
-    got = [json.loads(x)["token_ids"] for x in (tmp_path / "out0.jsonl").read_text().splitlines()]
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert got == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    run = _greedy_across_nodes_equals_hf(tmp_path, two_nodes, 13, DP_LENGTHS,
+                                         config(tmp_path, max_num_batched_tokens=48, data_parallel_size=2),
+                                         "--data-parallel-size-local", "1")
     # Each replica on its own node, with a step channel and a shared-memory all-reduce of its own there,
     # and each generated its round-robin share.
     for node, (rank, d, first, last) in enumerate([(0, 0, 0, 1), (2, 1, 2, 3)]):
