@@ -50,8 +50,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
+
+if TYPE_CHECKING:
+    from rtp.testing import TinyQwen3Spec
 
 # The workload of the performance issue: a 40M-parameter Qwen3 (tied 32000 x 512
 # embedding, 8 layers), 24 requests with prompts of 32-256 and outputs of 16-96 tokens.
@@ -295,16 +299,22 @@ def run_child(name: str, cmd: list[str], env: dict[str, str], timeout: float) ->
 
 
 def build_model(preset: str) -> str:
-    from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec, default_model_dir, make_tiny_qwen3, spec_digest
+    from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec, default_model_dir
 
     if preset == "tiny":
         return str(default_model_dir())
     spec_cls = TinyQwen3MoeSpec if "num_experts" in PRESETS[preset] else TinyQwen3Spec
-    spec = spec_cls(**PRESETS[preset])
+    return cached_model(f"bench-{preset}", spec_cls(**PRESETS[preset]))
+
+
+def cached_model(name: str, spec: TinyQwen3Spec) -> str:
+    """The random checkpoint of ``spec`` in rtp's cache folder (``RTP_CACHE_DIR``), built on first use."""
+    from rtp.testing import make_tiny_qwen3, spec_digest
+
     root = Path(os.environ.get("RTP_CACHE_DIR") or Path.home() / ".cache" / "rtp")
-    path = root / f"bench-{preset}-{spec_digest(spec)}"
+    path = root / f"{name}-{spec_digest(spec)}"
     if not (path / "config.json").is_file():
-        print(f"building the {preset} benchmark model in {path}")
+        print(f"building the benchmark model in {path}")
         make_tiny_qwen3(path, spec)
     return str(path)
 

@@ -47,15 +47,11 @@ QUICK_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, 
 
 
 def build_model(quick: bool) -> str:
-    from rtp.testing import TinyQwen3Spec, make_tiny_qwen3, spec_digest
+    from bench import cached_model
 
-    spec = TinyQwen3Spec(**(QUICK_SHAPE if quick else SHAPE))
-    root = Path(os.environ.get("RTP_CACHE_DIR") or Path.home() / ".cache" / "rtp")
-    path = root / f"bench-pp-{spec_digest(spec)}"
-    if not (path / "config.json").is_file():
-        print(f"building the benchmark model in {path}")
-        make_tiny_qwen3(path, spec)
-    return str(path)
+    from rtp.testing import TinyQwen3Spec
+
+    return cached_model("bench-pp", TinyQwen3Spec(**(QUICK_SHAPE if quick else SHAPE)))
 
 
 def workload(n: int, vocab: int, quick: bool, kind: str = "decode",
@@ -183,9 +179,10 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    args.model = args.model or build_model(args.quick)
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench import cpu_busy_fraction, wait_quiet
+
+    args.model = args.model or build_model(args.quick)
 
     wait_quiet(args.wait_quiet)
     print(f"machine busy before the runs: {cpu_busy_fraction():.0%} of {os.cpu_count()} cores")

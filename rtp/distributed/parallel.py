@@ -205,8 +205,7 @@ class ParallelState:
     @property
     def replica_ranks(self) -> list[int]:
         """Global ranks of this rank's replica, its coordinator first."""
-        first = self.dp_rank * self.tp_size
-        return list(range(first, first + self.tp_size))
+        return list(range(self.coordinator_rank, self.coordinator_rank + self.tp_size))
 
     def replica(self) -> ParallelState:
         """The view of this rank's replica: rank = TP rank, world = the replica's TP ranks (see the class)."""

@@ -97,12 +97,10 @@ class StageLink:
         self.wait_sends()
         flat = hidden.reshape(-1)
         n = self._slices(flat.numel())
-        start = ps.tp_rank * n
-        part = torch.zeros(n, dtype=hidden.dtype, device=hidden.device)  # [n], zero padding past the end
-        take = max(0, min(n, flat.numel() - start))
-        if take:
-            part[:take] = flat[start : start + take]
-        self._sends.isend(part, ps.stage_rank(ps.pp_rank + 1, ps.tp_rank), tag=0)
+        part = flat[ps.tp_rank * n : (ps.tp_rank + 1) * n]  # a view: the send keeps it (and hidden) alive
+        if len(part) < n:  # the last ranks' slices run past the end: zero padding
+            part = torch.cat([part, part.new_zeros(n - len(part))])
+        self._sends.isend(part.contiguous(), ps.stage_rank(ps.pp_rank + 1, ps.tp_rank), tag=0)
 
     def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         """The previous stage's hidden states [num_tokens, hidden_size], all-gathered over this stage's TP group."""

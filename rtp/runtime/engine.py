@@ -107,8 +107,6 @@ class Engine:
         # so an abort that follows an add in the same step is not lost.
         self._inbox: list[RequestState | str] = []
         self._live_ids: set[str] = set()  # ids submitted and not yet finished (any thread)
-        self.busy: dict[int, int] = {}
-        """Sequences in steps still in flight (pipeline stages): id -> tokens those steps compute of it."""
         stages = config.parallel.pipeline_parallel_size
         depth = config.parallel.pipeline_steps_in_flight or stages
         self.in_flight = InFlightSteps(self, depth) if stages > 1 and depth > 1 and not self.spec else None
@@ -196,6 +194,7 @@ class Engine:
             inbox, self._inbox = self._inbox, []
         finished = []
         deferred: list[RequestState | str] = []
+        busy = self.in_flight.busy if self.in_flight is not None else None
         outputs = self.outputs
         for item in inbox:
             if isinstance(item, RequestState):
@@ -207,7 +206,7 @@ class Engine:
                 outputs.add(item)
                 continue
             req = outputs.requests.get(item)
-            if req is not None and self.busy and any(smp.seq.seq_id in self.busy for smp in req.samples):
+            if req is not None and busy and any(smp.seq.seq_id in busy for smp in req.samples):
                 deferred.append(item)
                 continue
             if req is not None and not req.output.finished:
@@ -305,7 +304,8 @@ class Engine:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every live request with an error (a rank died); returns their outputs."""
-        self.busy.clear()  # the steps in flight are lost with the failed rank
+        if self.in_flight is not None:
+            self.in_flight.busy.clear()  # the steps in flight are lost with the failed rank
         self.drain_inbox()
         return self.outputs.fail_all(message)
 

@@ -2,14 +2,15 @@
 
 A step's plan goes to every rank as usual; rank 0 runs the first stage's part
 (:meth:`ModelRunner.submit`) and, while later stages work on it, schedules the
-next step over the requests that are not in flight. The last stage's logits of
-the oldest step come back (:meth:`ModelRunner.collect`) once ``depth`` steps are
-in flight or nothing else can be scheduled; that step is then sampled,
+next step over the requests that are not in flight. The last stage's final hidden
+rows of the oldest step come back and rank 0 computes their logits
+(:meth:`ModelRunner.collect`) once ``depth`` steps are in flight or nothing else
+can be scheduled; that step is then sampled,
 postprocessed and output exactly as a step of the plain engine loop, so the
 tokens are the same ones (greedy: token for token).
 
 A request in flight is not preempted, and not scheduled again until its step
-returns (the scheduler's ``busy`` map), except a prefill whose chunks in flight
+returns (:attr:`InFlightSteps.busy`, the scheduler's ``busy``), except a prefill whose chunks in flight
 sample nothing: its next chunk follows them, so one long prompt keeps every
 stage busy too. An abort of a request in flight waits for its steps. Each
 step takes at most an even share (1 / depth) of the live sequences. Every
@@ -35,6 +36,8 @@ class InFlightSteps:
     def __init__(self, engine: Engine, depth: int) -> None:
         self.engine, self.depth = engine, depth
         self.queue: deque[ScheduleResult] = deque()  # oldest first: outputs return in this order
+        self.busy: dict[int, int] = {}
+        """Sequences of the steps in flight: id -> tokens those steps compute of it."""
         self.num_overlapped = 0
         """Steps submitted while another one was in flight (the pipelining that happened)."""
 
@@ -47,21 +50,21 @@ class InFlightSteps:
             sched = e.scheduler
             # An even share of the live sequences per step in flight, so the steps keep every stage busy.
             live = len(sched.running) + sched.num_waiting
-            result = sched.schedule(busy=e.busy, max_seqs=max(1, -(-live // self.depth)))
+            result = sched.schedule(busy=self.busy, max_seqs=max(1, -(-live // self.depth)))
             plan = result.plan
             if plan.new_seqs or plan.cached_seqs or plan.freed_seq_ids:
                 e.transport(plan)
                 e.runner.submit(plan)
                 self.queue.append(result)
                 for seq, n in zip(result.seqs, result.num_new_tokens):
-                    e.busy[seq.seq_id] = e.busy.get(seq.seq_id, 0) + n
+                    self.busy[seq.seq_id] = self.busy.get(seq.seq_id, 0) + n
                 self.num_overlapped += len(self.queue) > 1
                 submitted = True
         if self.queue and (not submitted or len(self.queue) >= self.depth):
             result = self.queue.popleft()
             out = e.runner.collect()
             for seq, n in zip(result.seqs, result.num_new_tokens):
-                if (left := e.busy.pop(seq.seq_id, n) - n) > 0:
-                    e.busy[seq.seq_id] = left  # a later chunk of it is still in flight
+                if (left := self.busy.pop(seq.seq_id, n) - n) > 0:
+                    self.busy[seq.seq_id] = left  # a later chunk of it is still in flight
             e.finish_step(result, out, changed)
         return changed

@@ -65,7 +65,7 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
     heartbeat, watchdog = _start_liveness(config, world, pids)
     ps = world.replica()
     if world.dp_size > 1:  # the replica's ranks' pids, by their rank in the replica
-        pids = pids[world.coordinator_rank : world.coordinator_rank + world.tp_size]
+        pids = [pids[r] for r in world.replica_ranks]
     try:
         return _start(config, model_dir, ps, pids, heartbeat, watchdog, step_delay)
     except BaseException:

@@ -17,21 +17,28 @@ from tests.utils import WORKERS, hf_greedy, torchrun
 WORKER = WORKERS / "spec_decode.py"
 
 
+def _tp2_greedy_equals_hf(tmp_path, prompts: list[list[int]], speculative: str) -> dict:
+    """Greedy with ``speculative`` (the YAML lines under speculative_config) at TP = 2 under torchrun: 20
+    tokens per step chunk the prompts next to other sequences' drafts, and 10 blocks of 16 cannot hold all
+    of them. Checks the tokens equal HF's; returns the worker's output (tokens and engine stats)."""
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    (tmp_path / "c.yaml").write_text(
+        f"model: {default_model_dir()}\ndevice: cpu\ndtype: float32\nblock_size: 16\nnum_kv_blocks: 10\n"
+        f"max_num_batched_tokens: 20\nspeculative_config:\n{speculative}")
+    torchrun(WORKER, 2, str(tmp_path / "c.yaml"), str(tmp_path / "prompts.json"), str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    assert out["tokens"] == [hf_greedy(hf, p, 32) for p in prompts]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tp2_greedy_with_ngram_drafts_equals_hf(tmp_path):
     gen = torch.Generator().manual_seed(5)
     prompts = [(torch.randint(0, 400, (p,), generator=gen).tolist() * 12)[:n]
                for p, n in [(2, 6), (3, 40), (4, 70), (5, 23)]]
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    # 20 tokens per step chunk the prompts next to other sequences' drafts; 10 blocks of 16 cannot hold all four.
-    (tmp_path / "c.yaml").write_text(
-        f"model: {default_model_dir()}\ndevice: cpu\ndtype: float32\nblock_size: 16\nnum_kv_blocks: 10\n"
-        "max_num_batched_tokens: 20\nspeculative_config:\n  method: ngram\n  num_speculative_tokens: 4\n")
-    torchrun(WORKER, 2, str(tmp_path / "c.yaml"), str(tmp_path / "prompts.json"), str(tmp_path / "out.json"))
-    out = json.loads((tmp_path / "out.json").read_text())
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
-    assert out["tokens"] == [hf_greedy(hf, p, 32) for p in prompts]
+    out = _tp2_greedy_equals_hf(tmp_path, prompts, "  method: ngram\n  num_speculative_tokens: 4\n")
     assert out["stats"]["spec_num_accepted_tokens"] > 0 and out["stats"]["num_preemptions"] > 0
 
 
@@ -41,15 +48,9 @@ def test_tp2_greedy_with_a_draft_model_equals_hf(tmp_path):
     """The draft runs on rank 0 alone (draft_tensor_parallel_size 1) beside a target split over 2 ranks."""
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 40, 70, 23)]
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    (tmp_path / "c.yaml").write_text(
-        f"model: {default_model_dir()}\ndevice: cpu\ndtype: float32\nblock_size: 16\nnum_kv_blocks: 10\n"
-        f"max_num_batched_tokens: 20\nspeculative_config:\n  method: draft_model\n  model: {noisy_draft()}\n"
-        "  num_speculative_tokens: 3\n  draft_tensor_parallel_size: 1\n  min_acceptance_rate: 0.0\n")
-    torchrun(WORKER, 2, str(tmp_path / "c.yaml"), str(tmp_path / "prompts.json"), str(tmp_path / "out.json"))
-    out = json.loads((tmp_path / "out.json").read_text())
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
-    assert out["tokens"] == [hf_greedy(hf, p, 32) for p in prompts]
+    out = _tp2_greedy_equals_hf(tmp_path, prompts, f"  method: draft_model\n  model: {noisy_draft()}\n"
+                                "  num_speculative_tokens: 3\n  draft_tensor_parallel_size: 1\n"
+                                "  min_acceptance_rate: 0.0\n")
     stats = out["stats"]
     assert stats["num_preemptions"] > 0
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]  # accepted and rejected drafts
