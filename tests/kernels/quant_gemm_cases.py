@@ -1,0 +1,172 @@
+"""Checks of the quantized GEMMs (:mod:`rtp.kernels.quant_gemm`) against float64 dequantized references,
+shared by the pytest tests and scripts/gpu_check.sh (no pytest needed).
+
+    TRITON_INTERPRET=1 python -m tests.kernels.quant_gemm_cases --device cpu   # Triton interpreter
+    python -m tests.kernels.quant_gemm_cases --device cuda                     # on a GPU
+
+Every weight is cut from a full checkpoint-shaped tensor the way a TP shard is: sizes that are not
+multiples of 128, output rows that start inside a 128-block (a column-parallel shard) and input
+columns that start inside one (a row-parallel shard: ``k_offset``). The reference is the full
+weight dequantized in float64 (``q x block scale``, ``(q - z) x s``), then sliced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from rtp.kernels import quant_gemm as qg
+from rtp.testing_quant import awq_pack, fp8_block_quantize
+
+# (full N, full K, rows r0:r1, input columns c0:c1, tokens M)
+FP8_CASES = [
+    (256, 384, (0, 256), (0, 384), 5),  # whole blocks
+    (200, 300, (0, 200), (0, 300), 7),  # N and K not multiples of 128
+    (384, 256, (96, 288), (0, 256), 3),  # rows 96..287: a column shard starting inside a block
+    (256, 384, (0, 256), (192, 384), 16),  # columns 192..383: a row shard, k_offset 64
+    (192, 320, (64, 160), (96, 288), 1),  # both, one token (decode)
+]
+# AWQ: N a multiple of 8 and K of 128 (the format's own limits); shards cut N by 8s, K anywhere.
+AWQ_CASES = [
+    (128, 256, (0, 128), (0, 256), 5),
+    (192, 384, (64, 128), (0, 384), 9),  # an N shard
+    (64, 384, (0, 64), (192, 384), 16),  # a K shard starting inside a group: k_offset 64
+    (136, 384, (8, 136), (96, 288), 1),  # N not a multiple of the column block, both cut
+]
+
+
+def _expand_blocks(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return blocks.repeat_interleave(qg.GROUP, 0)[:n].repeat_interleave(qg.GROUP, 1)[:, :k]
+
+
+def fp8_shard(full_n: int, full_k: int, rows: tuple[int, int], cols: tuple[int, int], g: torch.Generator,
+              device: str) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(fp8 weight, row scales [n, G], k_offset, float64 reference weight) of one shard of a random weight."""
+    w = torch.randn(full_n, full_k, generator=g) * 0.05
+    q, scale = fp8_block_quantize(w)  # [N, K] fp8, [ceil(N/128), ceil(K/128)] bf16
+    ref = q.double() * _expand_blocks(scale.double(), full_n, full_k)  # [N, K]
+    (r0, r1), (c0, c1) = rows, cols
+    k_offset = c0 % qg.GROUP
+    groups = qg.num_groups(c1 - c0, k_offset)
+    row_scales = scale.float()[torch.arange(r0, r1) // qg.GROUP]  # [n, ceil(K/128)]: each row its block's
+    shard_scale = row_scales[:, c0 // qg.GROUP : c0 // qg.GROUP + groups].contiguous()
+    return (q[r0:r1, c0:c1].contiguous().to(device), shard_scale.to(device), k_offset,
+            ref[r0:r1, c0:c1])
+
+
+def awq_shard(full_n: int, full_k: int, rows: tuple[int, int], cols: tuple[int, int], g: torch.Generator,
+              device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(qweight, qzeros, scales, k_offset, float64 reference weight) of one shard of a random AWQ weight."""
+    groups_full = full_k // qg.GROUP
+    q = torch.randint(0, 16, (full_k, full_n), generator=g)
+    z = torch.randint(0, 16, (groups_full, full_n), generator=g)
+    s = (torch.rand(groups_full, full_n, generator=g) * 0.01 + 0.002).to(torch.float16)
+    zk = z.repeat_interleave(qg.GROUP, 0)
+    sk = s.double().repeat_interleave(qg.GROUP, 0)
+    ref = ((q - zk).double() * sk).t()  # [N, K]
+    (r0, r1), (c0, c1) = rows, cols
+    k_offset = c0 % qg.GROUP
+    g0, g1 = c0 // qg.GROUP, -(-c1 // qg.GROUP)
+    return (awq_pack(q[c0:c1, r0:r1]).to(device), awq_pack(z[g0:g1, r0:r1]).to(device),
+            s[g0:g1, r0:r1].contiguous().to(device), k_offset, ref[r0:r1, c0:c1])
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, what: str) -> None:
+    """Max error relative to the reference's largest value (the outputs are sums of signed products)."""
+    err = (got.double().cpu() - want).abs().max().item()
+    scale = want.abs().max().item()
+    if not err <= rtol * scale:
+        raise AssertionError(f"{what}: max error {err:.3g} exceeds {rtol} x {scale:.3g}")
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 2e-5 if dtype == torch.float32 else 1.5e-2  # fp32 sums; bf16/fp16 outputs (8/11-bit mantissas)
+
+
+def check_quantize(device: str, g: torch.Generator) -> int:
+    """The per-token-group quantization equals the torch reference, and dequantizes to within e4m3's step."""
+    checks = 0
+    for m, k, k_offset in ((5, 384, 0), (3, 200, 0), (16, 192, 64), (1, 100, 100)):
+        x = torch.randn(m, k, generator=g).to(device)
+        x[0, :17] = 0.0  # a run of zeros: in a group with others; (1, 100, 100): a whole group
+        q, s = qg.quantize_fp8_groups(x, k_offset)
+        q_ref, s_ref = qg.quantize_fp8_groups_reference(x.cpu(), k_offset)
+        assert s.shape == (m, qg.num_groups(k, k_offset)), f"scales {list(s.shape)}"
+        assert torch.equal(s.cpu(), s_ref), f"scales of ({m}, {k}, {k_offset}) differ from the torch reference"
+        assert torch.equal(q.cpu().float(), q_ref.float()), f"fp8 values of ({m}, {k}, {k_offset}) differ"
+        cols = torch.arange(k) + k_offset
+        deq = q.cpu().double() * s.cpu().double()[:, cols // qg.GROUP]
+        # e4m3 has 3 mantissa bits: each value within 2^-4 of itself, plus the smallest subnormal step
+        bound = x.cpu().double().abs() * 2.0**-4 + s.cpu().double()[:, cols // qg.GROUP] * 2.0**-9
+        assert ((deq - x.cpu().double()).abs() <= bound).all(), "dequantized activations off by more than e4m3's step"
+        checks += 1
+    return checks
+
+
+def check_fp8(device: str, dtype: torch.dtype, g: torch.Generator, w8a8: bool) -> int:
+    checks = 0
+    for full_n, full_k, rows, cols, m in FP8_CASES:
+        w, scale, k_offset, ref = fp8_shard(full_n, full_k, rows, cols, g, device)
+        x = torch.randn(m, w.shape[1], generator=g).to(dtype).to(device)
+        what = f"{'w8a8' if w8a8 else 'w8a16'} {dtype} N={full_n} K={full_k} rows={rows} cols={cols} M={m}"
+        y = qg.fp8_block_linear(x, w, scale, k_offset, w8a8)
+        assert y.shape == (m, w.shape[0]) and y.dtype == dtype, f"{what}: {y.dtype}{list(y.shape)}"
+        if w8a8:
+            xq, xs = qg.quantize_fp8_groups(x, k_offset)
+            cols_k = torch.arange(x.shape[1]) + k_offset
+            x_deq = xq.cpu().double() * xs.cpu().double()[:, cols_k // qg.GROUP]
+            _close(y, x_deq @ ref.t(), _tolerance(dtype), what + " (vs its quantized activations)")
+            _close(y, x.cpu().double() @ ref.t(), 0.1, what + " (vs the activations)")
+        else:
+            _close(y, x.cpu().double() @ ref.t(), _tolerance(dtype), what)
+        checks += 1
+    return checks
+
+
+def check_awq(device: str, dtype: torch.dtype, g: torch.Generator) -> int:
+    checks = 0
+    for full_n, full_k, rows, cols, m in AWQ_CASES:
+        qweight, qzeros, scales, k_offset, ref = awq_shard(full_n, full_k, rows, cols, g, device)
+        x = torch.randn(m, cols[1] - cols[0], generator=g).to(dtype).to(device)
+        y = qg.awq_linear(x, qweight, qzeros, scales, k_offset)
+        what = f"awq {dtype} N={full_n} K={full_k} rows={rows} cols={cols} M={m}"
+        assert y.shape == (m, rows[1] - rows[0]) and y.dtype == dtype, f"{what}: {y.dtype}{list(y.shape)}"
+        _close(y, x.cpu().double() @ ref.t(), _tolerance(dtype), what)
+        checks += 1
+    return checks
+
+
+# Triton 3.9's interpreter multiplies a bf16 tile made inside the kernel (the decoded weight) wrongly in
+# tl.dot (a bf16 tile loaded from memory is fine), so on CPU the dequantizing kernels run in fp32 and fp16.
+INTERPRETER_DTYPES = (torch.float32, torch.float16)
+GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_kernels(device: str, w8a8: bool = True) -> int:
+    """Every kernel on every case; returns the number of checks."""
+    g = torch.Generator().manual_seed(0)
+    checks = check_quantize(device, g)
+    dequantizing = INTERPRETER_DTYPES if device == "cpu" else GPU_DTYPES
+    for dtype in GPU_DTYPES:
+        if dtype in dequantizing:
+            checks += check_fp8(device, dtype, g, w8a8=False)
+            checks += check_awq(device, dtype, g)
+        if w8a8:
+            checks += check_fp8(device, dtype, g, w8a8=True)
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    w8a8 = args.device == "cpu" or qg.fp8_w8a8_supported(torch.device(args.device))
+    n = check_kernels(args.device, w8a8=w8a8)
+    print(f"OK {n} quantized-GEMM checks on {args.device}" + ("" if w8a8 else " (no w8a8: GPU below sm89)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
