@@ -59,8 +59,9 @@ if triton is not None:
         ks = g * GROUP_K - k_offset + tl.arange(0, GROUP_K)
         ok = (ks >= 0) & (ks < K)
         x = tl.load(x_ptr + m * stride_xm + ks, mask=ok, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
-        q = tl.clamp(x / scale, -448.0, 448.0)
+        # correctly rounded divisions (a GPU's default fp32 division may be 2 ulp off): the torch reference's bits
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10), 448.0)
+        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
         # Rounded to the e4m3 grid in fp32 first (v + c - c with c = 1.5 * 2^23 * step rounds v to a multiple
         # of step, to nearest even), so the cast below is exact: the same values on a GPU and in triton's
         # interpreter, whose fp32 -> e4m3 cast is wrong when rounding carries into the exponent.

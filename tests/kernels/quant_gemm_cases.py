@@ -17,8 +17,13 @@ import sys
 
 import torch
 
+from rtp.distributed.parallel import ParallelState
 from rtp.kernels import quant_gemm as qg
-from rtp.testing_quant import awq_pack, fp8_block_quantize
+from rtp.kernels.fused_moe import Fp8Experts, fused_moe_fp8, fused_moe_reference
+from rtp.model.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
+from rtp.model.quant import AwqFormat, Fp8BlockFormat, QuantFormat, QuantLinearMethod
+from rtp.model.quant.base import PACKED_QUANT
+from rtp.testing_quant import awq_pack, awq_quantize, fp8_block_quantize
 
 # (full N, full K, rows r0:r1, input columns c0:c1, tokens M)
 FP8_CASES = [
@@ -138,8 +143,102 @@ def check_awq(device: str, dtype: torch.dtype, g: torch.Generator) -> int:
     return checks
 
 
-# Triton 3.9's interpreter multiplies a bf16 tile made inside the kernel (the decoded weight) wrongly in
-# tl.dot (a bf16 tile loaded from memory is fine), so on CPU the dequantizing kernels run in fp32 and fp16.
+def _fp8_tensors(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Checkpoint tensors of ``w`` in Qwen's FP8 format and their float64 dequantization."""
+    q, scale = fp8_block_quantize(w)
+    return {"weight": q, "weight_scale_inv": scale}, q.double() * _expand_blocks(scale.double(), *w.shape)
+
+
+def _awq_tensors(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Checkpoint tensors of ``w`` in AutoAWQ's GEMM format and their float64 dequantization."""
+    q, z, s = awq_quantize(w)
+    ref = ((q - z.repeat_interleave(qg.GROUP, 0)).double() * s.double().repeat_interleave(qg.GROUP, 0)).t()
+    return {"qweight": awq_pack(q), "qzeros": awq_pack(z), "scales": s}, ref
+
+
+# (format, layer, full sizes): rank 1 of 2 takes rows 192..383 of each 384-row projection (block 1 cut at
+# row 64 of its 128) or input columns 192..383 (k_offset 64)
+LAYER_CASES = [("fp8", "merged", 320), ("fp8", "row", 200), ("awq", "merged", 256), ("awq", "row", 64)]
+
+
+def check_layers(device: str, dtype: torch.dtype) -> int:
+    """Packed quantized layers of rank 1 at TP 2, loaded through their weight loaders, equal the float64
+    dequantized checkpoint's slice (the layers as a model builds them on ``device``; packing forced on CPU)."""
+    g = torch.Generator().manual_seed(1)
+    ps = ParallelState(rank=1, world_size=2, local_rank=1, device=torch.device(device))
+    checks = 0
+    for name, kind, size in LAYER_CASES:
+        fmt: QuantFormat = Fp8BlockFormat() if name == "fp8" else AwqFormat()
+        tensors = _fp8_tensors if name == "fp8" else _awq_tensors
+        method = QuantLinearMethod(fmt, packed=True)
+        with torch.device(device):
+            layer: LinearBase
+            if kind == "merged":  # gate/up of [384, size]: rows 192..383 of each
+                layer = MergedColumnParallelLinear(size, [384, 384], ps, method=method)
+                shards = {0: torch.randn(384, size, generator=g) * 0.05, 1: torch.randn(384, size, generator=g) * 0.05}
+            else:  # [size, 384]: columns 192..383
+                layer = RowParallelLinear(384, size, ps, method=method)
+                shards = {None: torch.randn(size, 384, generator=g) * 0.05}
+        params = dict(layer.named_parameters())
+        refs = []
+        for shard, w in shards.items():
+            stored, ref = tensors(w)
+            for suffix, t in stored.items():
+                param = params[suffix]
+                param.weight_loader(param, t, shard)  # type: ignore[attr-defined]
+            refs.append(ref[192:384] if kind == "merged" else ref[:, 192:384])
+        with torch.device(device):
+            method.process_weights_after_loading(layer)
+        assert layer.method is PACKED_QUANT, f"{name} {kind}: not packed"
+        w8a8 = bool(getattr(layer.quant_packed, "w8a8", False))  # where the GPU multiplies FP8 (sm89+)
+        x = torch.randn(6, 192 if kind == "row" else size, generator=g).to(dtype)
+        y = layer.matmul(x.to(device))
+        _close(y, x.double() @ torch.cat(refs).t(), 0.1 if w8a8 else _tolerance(dtype), f"{name} {kind} layer")
+        checks += 1
+    return checks
+
+
+def _fp8_rows(w: torch.Tensor, rows: slice, cols: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 values, per-row block scales of the columns' blocks, float64 dequantization) of ``w[rows, cols]``."""
+    q, scale = fp8_block_quantize(w)
+    ref = q.double() * _expand_blocks(scale.double(), *w.shape)
+    r = torch.arange(w.shape[0])[rows]
+    c0, c1 = cols.indices(w.shape[1])[:2]
+    groups = qg.num_groups(c1 - c0, c0 % qg.GROUP)
+    blocks = scale.float()[r // qg.GROUP][:, c0 // qg.GROUP : c0 // qg.GROUP + groups]
+    return q[rows, cols], blocks, ref[rows, cols]
+
+
+def check_fp8_moe(device: str, dtype: torch.dtype, w8a8: bool) -> int:
+    """FP8 experts of rank 1 at TP 2 (moe_intermediate 384: rows 192..383 of gate and up, inputs 192..383
+    of down, k_offset 64; hidden 192, not a multiple of 128) equal the float64 dequantized experts through
+    the torch path, also with an expert held by another rank (id E: skipped)."""
+    g = torch.Generator().manual_seed(2)
+    e, h, inter, t, k = 4, 192, 384, 7, 2
+    own = slice(192, 384)
+    w13, s13, r13, w2, s2, r2 = [], [], [], [], [], []
+    for _ in range(e):
+        gate, up = (torch.randn(inter, h, generator=g) * h**-0.5 for _ in range(2))
+        down = torch.randn(h, inter, generator=g) * inter**-0.5
+        (gq, gs, gr), (uq, us, ur) = _fp8_rows(gate, own, slice(None)), _fp8_rows(up, own, slice(None))
+        dq, ds, dr = _fp8_rows(down, slice(None), own)
+        w13.append(torch.cat([gq, uq])), s13.append(torch.cat([gs, us])), r13.append(torch.cat([gr, ur]))
+        w2.append(dq), s2.append(ds), r2.append(dr)
+    fp8 = Fp8Experts(torch.stack(w13).to(device), torch.stack(s13).to(device), torch.stack(w2).contiguous().to(device),
+                     torch.stack(s2).to(device), 192 % qg.GROUP, w8a8)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    weights, ids = torch.randn(t, e, generator=g).softmax(-1).topk(k, dim=-1)
+    ids[0, 1] = e  # an expert of another rank
+    want = fused_moe_reference(x.double(), torch.stack(r13), torch.stack(r2), weights.double(), ids)
+    got = fused_moe_fp8(x.to(device), fp8, weights.to(dtype).to(device), ids.to(device))
+    tol = 0.08 if w8a8 else _tolerance(dtype) * 2  # w8a8: activations in e4m3 twice (x and the intermediate)
+    _close(got, want, tol, f"fp8 fused MoE {'w8a8' if w8a8 else 'w8a16'} {dtype}")
+    return 1
+
+
+# Triton 3.9's interpreter computes wrongly with bf16 values made inside a kernel (a decoded weight tile in
+# tl.dot gives values of 1e8; the fused MoE's bf16 output times the routing weight gives NaN), while bf16
+# loaded from memory is fine: on CPU the kernels that make bf16 values run in fp32 and fp16 only.
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -153,9 +252,50 @@ def check_kernels(device: str, w8a8: bool = True) -> int:
         if dtype in dequantizing:
             checks += check_fp8(device, dtype, g, w8a8=False)
             checks += check_awq(device, dtype, g)
+            checks += check_fp8_moe(device, dtype, w8a8=False)
         if w8a8:
             checks += check_fp8(device, dtype, g, w8a8=True)
+            if dtype in dequantizing:  # (the MoE's down kernel multiplies bf16 values it made by the routing weight)
+                checks += check_fp8_moe(device, dtype, w8a8=True)
+    for dtype in INTERPRETER_DTYPES if device == "cpu" else GPU_DTYPES:
+        checks += check_layers(device, dtype)
     return checks
+
+
+def check_models_interpreted() -> int:
+    """CPU (TRITON_INTERPRET=1): a one-layer FP8 Qwen3-MoE (hidden 192) and a one-layer AWQ Qwen3 with their
+    projections and experts kept packed, as on CUDA, give the logits of the CPU path (the same checkpoints
+    dequantized at load)."""
+    import tempfile
+    from pathlib import Path
+    from unittest import mock
+
+    from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec, make_tiny_qwen3
+    from rtp.testing_quant import write_awq_checkpoint, write_fp8_checkpoint
+    from tests.kernels.paged_attention_cases import runner_logits
+
+    cpu = torch.device("cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        moe = make_tiny_qwen3(root / "moe", TinyQwen3MoeSpec(hidden_size=192, moe_intermediate_size=160,
+                                                             num_hidden_layers=1))
+        dense = make_tiny_qwen3(root / "dense", TinyQwen3Spec(hidden_size=128, intermediate_size=256, head_dim=64,
+                                                              num_attention_heads=2, num_key_value_heads=1,
+                                                              num_hidden_layers=1))
+        models = [(Fp8BlockFormat, write_fp8_checkpoint(moe, root / "fp8")),
+                  (AwqFormat, write_awq_checkpoint(dense, root / "awq", root / "awq-ref"))]
+        for fmt, model_dir in models:
+            ref = runner_logits(model_dir, "torch", True, cpu, "float32")
+            gemm = mock.Mock(wraps=qg.fp8_block_linear if fmt is Fp8BlockFormat else qg.awq_linear)
+            experts = mock.Mock(wraps=fused_moe_fp8)
+            with (mock.patch.object(fmt, "packs_on", return_value=True),
+                  mock.patch.object(qg, gemm._mock_wraps.__name__, gemm),
+                  mock.patch("rtp.model.moe.fused_moe_fp8", experts)):
+                got = runner_logits(model_dir, "torch", True, cpu, "float32")
+            assert gemm.call_count > 0 and (experts.call_count > 0) == (fmt is Fp8BlockFormat), "packed kernels unused"
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            assert err < 1e-4, f"tiny {fmt.name} model, packed (interpreter) vs dequantized: max error {err:.2e}"
+    return len(models)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     w8a8 = args.device == "cpu" or qg.fp8_w8a8_supported(torch.device(args.device))
     n = check_kernels(args.device, w8a8=w8a8)
+    if args.device == "cpu":
+        n += check_models_interpreted()
     print(f"OK {n} quantized-GEMM checks on {args.device}" + ("" if w8a8 else " (no w8a8: GPU below sm89)"))
     return 0
 
