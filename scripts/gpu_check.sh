@@ -6,6 +6,9 @@
 #      (python -m tests.kernels.paged_attention_cases: needs no pytest)
 #   1b. fused MoE on CUDA: Triton kernels vs torch path, CUDA-graph replay, a tiny Qwen3-MoE model,
 #      timings of one Qwen3-30B-A3B MoE layer (python -m tests.kernels.fused_moe_cases)
+#   1c. quantized GEMMs on CUDA: FP8 per-token-group quantization, w8a8 (sm89+) and W8A16 block matmuls,
+#      AWQ int4, the FP8 fused MoE and packed TP-shard layers vs float64 dequantized references
+#      (python -m tests.kernels.quant_gemm_cases)
 #   2. the gpu-marked tests (pytest -m gpu over the files that hold them), when pytest is installed
 #   3. a 2-rank NCCL smoke run, when there are 2+ GPUs
 #   4. a short benchmark (scripts/bench.py --quick); its failure is reported, not fatal
@@ -13,7 +16,8 @@
 # gpu_check.md in the repository root (gitignored). Exits non-zero when a check in 1-3 fails.
 #
 # scripts/gpu_check.sh --fake needs no GPU: it traces the CUDA path with fake CUDA tensors
-# (python -m rtp.fake_cuda: dense and MoE Qwen3, bf16, TP 1 and 2 on torch.distributed's fake
+# (python -m rtp.fake_cuda: dense and MoE Qwen3, an FP8 MoE and an AWQ dense Qwen3 (their projections and
+# experts kept packed for the quantized kernels), bf16, TP 1 and 2 on torch.distributed's fake
 # process group, the triton and torch attention backends; start-up, prefill, mixed and decode steps,
 # CUDA-graph capture and padded replay, the sampler), prints one row per (model, TP, backend, stage),
 # writes it to gpu_check_fake.md ($OUT or the repository root) and exits non-zero on any failure.
@@ -90,10 +94,12 @@ if [ "$NUM_GPUS" -ge 1 ]; then
         "$PY" -m tests.kernels.paged_attention_cases --device cuda --bench
     check "fused MoE on CUDA (kernels fp32/bf16, CUDA graph, tiny Qwen3-MoE model)" 120 \
         "$PY" -m tests.kernels.fused_moe_cases --device cuda --bench
-    GPU_TESTS="tests/model/test_attention.py tests/kernels/test_paged_attention.py tests/runtime/test_cuda_graphs.py tests/kernels/test_fused_moe.py"
+    check "quantized GEMMs on CUDA (FP8 w8a8/W8A16, AWQ, FP8 fused MoE, TP-shard layers vs float64)" 120 \
+        "$PY" -m tests.kernels.quant_gemm_cases --device cuda
+    GPU_TESTS="tests/model/test_attention.py tests/kernels/test_paged_attention.py tests/runtime/test_cuda_graphs.py tests/kernels/test_fused_moe.py tests/kernels/test_quant_gemm.py"
     if "$PY" -c "import pytest" 2>/dev/null; then
         # shellcheck disable=SC2086 # one word per file
-        check "gpu-marked tests (pytest -m gpu: attention, paged attention, CUDA graphs, fused MoE)" 120 \
+        check "gpu-marked tests (pytest -m gpu: attention, paged attention, CUDA graphs, fused MoE, quantized GEMMs)" 120 \
             "$PY" -m pytest -q -m gpu $GPU_TESTS -ra -p no:cacheprovider
     else
         ROWS+=("| gpu-marked tests (pytest -m gpu) | SKIP (pytest not installed; the triton checks above cover the same paths) | 0 |")
