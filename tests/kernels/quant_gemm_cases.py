@@ -20,7 +20,7 @@ import torch
 from rtp.distributed.parallel import ParallelState
 from rtp.kernels import quant_gemm as qg
 from rtp.kernels.fused_moe import Fp8Experts, fused_moe_fp8, fused_moe_reference
-from rtp.model.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
+from rtp.model.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from rtp.model.quant import AwqFormat, Fp8BlockFormat, QuantFormat, QuantLinearMethod
 from rtp.model.quant.base import PACKED_QUANT
 from rtp.testing_quant import awq_pack, awq_quantize, fp8_block_quantize
@@ -156,9 +156,11 @@ def _awq_tensors(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor
     return {"qweight": awq_pack(q), "qzeros": awq_pack(z), "scales": s}, ref
 
 
-# (format, layer, full sizes): rank 1 of 2 takes rows 192..383 of each 384-row projection (block 1 cut at
-# row 64 of its 128) or input columns 192..383 (k_offset 64)
-LAYER_CASES = [("fp8", "merged", 320), ("fp8", "row", 200), ("awq", "merged", 256), ("awq", "row", 64)]
+# (format, layer, the other size): rank 1 of 2 takes rows 192..383 of each 384-row projection (block 1 cut at
+# row 64 of its 128), input columns 192..383 (k_offset 64), or, of q/k/v with 4 query and 2 KV heads of 64,
+# q rows 128..255 and k/v rows 64..127 (the second half of block 0)
+LAYER_CASES = [("fp8", "merged", 320), ("fp8", "row", 200), ("fp8", "qkv", 192), ("awq", "merged", 256),
+               ("awq", "row", 64), ("awq", "qkv", 256)]
 
 
 def check_layers(device: str, dtype: torch.dtype) -> int:
@@ -176,6 +178,11 @@ def check_layers(device: str, dtype: torch.dtype) -> int:
             if kind == "merged":  # gate/up of [384, size]: rows 192..383 of each
                 layer = MergedColumnParallelLinear(size, [384, 384], ps, method=method)
                 shards = {0: torch.randn(384, size, generator=g) * 0.05, 1: torch.randn(384, size, generator=g) * 0.05}
+                own = {0: slice(192, 384), 1: slice(192, 384)}
+            elif kind == "qkv":  # q [256, size], k and v [128, size]
+                layer = QKVParallelLinear(size, 64, 4, 2, ps, method=method)
+                shards = {p: torch.randn(256 if p == "q" else 128, size, generator=g) * 0.05 for p in "qkv"}
+                own = {"q": slice(128, 256), "k": slice(64, 128), "v": slice(64, 128)}
             else:  # [size, 384]: columns 192..383
                 layer = RowParallelLinear(384, size, ps, method=method)
                 shards = {None: torch.randn(size, 384, generator=g) * 0.05}
@@ -186,7 +193,7 @@ def check_layers(device: str, dtype: torch.dtype) -> int:
             for suffix, t in stored.items():
                 param = params[suffix]
                 param.weight_loader(param, t, shard)  # type: ignore[attr-defined]
-            refs.append(ref[192:384] if kind == "merged" else ref[:, 192:384])
+            refs.append(ref[:, 192:384] if kind == "row" else ref[own[shard]])
         with torch.device(device):
             method.process_weights_after_loading(layer)
         assert layer.method is PACKED_QUANT, f"{name} {kind}: not packed"
