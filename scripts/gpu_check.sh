@@ -7,7 +7,8 @@
 #   1b. fused MoE on CUDA: Triton kernels vs torch path, CUDA-graph replay, a tiny Qwen3-MoE model,
 #      timings of one Qwen3-30B-A3B MoE layer (python -m tests.kernels.fused_moe_cases)
 #   1c. quantized GEMMs on CUDA: FP8 per-token-group quantization, w8a8 (sm89+) and W8A16 block matmuls,
-#      AWQ int4, the FP8 fused MoE and packed TP-shard layers vs float64 dequantized references
+#      AWQ int4, the FP8 fused MoE and packed TP-shard layers vs float64 dequantized references, and tiny
+#      FP8-MoE and AWQ models (eager and CUDA graphs) vs the CPU path
 #      (python -m tests.kernels.quant_gemm_cases)
 #   2. the gpu-marked tests (pytest -m gpu over the files that hold them), when pytest is installed
 #   3. a 2-rank NCCL smoke run, when there are 2+ GPUs
@@ -94,7 +95,7 @@ if [ "$NUM_GPUS" -ge 1 ]; then
         "$PY" -m tests.kernels.paged_attention_cases --device cuda --bench
     check "fused MoE on CUDA (kernels fp32/bf16, CUDA graph, tiny Qwen3-MoE model)" 120 \
         "$PY" -m tests.kernels.fused_moe_cases --device cuda --bench
-    check "quantized GEMMs on CUDA (FP8 w8a8/W8A16, AWQ, FP8 fused MoE, TP-shard layers vs float64)" 120 \
+    check "quantized GEMMs on CUDA (FP8 w8a8/W8A16, AWQ, FP8 fused MoE, TP-shard layers, tiny models)" 120 \
         "$PY" -m tests.kernels.quant_gemm_cases --device cuda
     GPU_TESTS="tests/model/test_attention.py tests/kernels/test_paged_attention.py tests/runtime/test_cuda_graphs.py tests/kernels/test_fused_moe.py tests/kernels/test_quant_gemm.py"
     if "$PY" -c "import pytest" 2>/dev/null; then

@@ -269,11 +269,12 @@ def check_kernels(device: str, w8a8: bool = True) -> int:
     return checks
 
 
-def check_models_interpreted() -> int:
-    """CPU (TRITON_INTERPRET=1): a one-layer FP8 Qwen3-MoE (hidden 192) and a one-layer AWQ Qwen3 with their
-    projections and experts kept packed, as on CUDA, give the logits of the CPU path (the same checkpoints
-    dequantized at load)."""
+def check_models(device: str) -> int:
+    """A one-layer FP8 Qwen3-MoE (hidden 192) and a one-layer AWQ Qwen3 with their projections and experts kept
+    packed give the logits of the CPU path (the same checkpoints dequantized at load). On CUDA they are packed as a
+    deployment packs them (eager, and CUDA graphs); on CPU (TRITON_INTERPRET=1) packing is forced."""
     import tempfile
+    from contextlib import nullcontext
     from pathlib import Path
     from unittest import mock
 
@@ -281,7 +282,10 @@ def check_models_interpreted() -> int:
     from rtp.testing_quant import write_awq_checkpoint, write_fp8_checkpoint
     from tests.kernels.paged_attention_cases import runner_logits
 
-    cpu = torch.device("cpu")
+    cpu, dev = torch.device("cpu"), torch.device(device)
+    w8a8 = qg.fp8_w8a8_supported(dev)
+    runs = [("torch", True)] if dev.type == "cpu" else [("triton", True), ("triton", False)]
+    checks = 0
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         moe = make_tiny_qwen3(root / "moe", TinyQwen3MoeSpec(hidden_size=192, moe_intermediate_size=160,
@@ -295,14 +299,19 @@ def check_models_interpreted() -> int:
             ref = runner_logits(model_dir, "torch", True, cpu, "float32")
             gemm = mock.Mock(wraps=qg.fp8_block_linear if fmt is Fp8BlockFormat else qg.awq_linear)
             experts = mock.Mock(wraps=fused_moe_fp8)
-            with (mock.patch.object(fmt, "packs_on", return_value=True),
-                  mock.patch.object(qg, gemm._mock_wraps.__name__, gemm),
-                  mock.patch("rtp.model.moe.fused_moe_fp8", experts)):
-                got = runner_logits(model_dir, "torch", True, cpu, "float32")
-            assert gemm.call_count > 0 and (experts.call_count > 0) == (fmt is Fp8BlockFormat), "packed kernels unused"
-            err = ((got - ref).abs().max() / ref.abs().max()).item()
-            assert err < 1e-4, f"tiny {fmt.name} model, packed (interpreter) vs dequantized: max error {err:.2e}"
-    return len(models)
+            for backend, eager in runs:
+                force = mock.patch.object(fmt, "packs_on", return_value=True) if dev.type == "cpu" else nullcontext()
+                with (force,
+                      mock.patch.object(qg, gemm._mock_wraps.__name__, gemm),
+                      mock.patch("rtp.model.moe.fused_moe_fp8", experts)):
+                    got = runner_logits(model_dir, backend, eager, dev, "float32").cpu()
+                assert gemm.call_count > 0 and (experts.call_count > 0) == (fmt is Fp8BlockFormat), "kernels unused"
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                tol = 0.1 if w8a8 and fmt is Fp8BlockFormat else 1e-4 if dev.type == "cpu" else 1e-3
+                assert err < tol, f"tiny {fmt.name} model on {device} (eager={eager}), packed vs dequantized on CPU: " \
+                                  f"max error {err:.2e}"
+                checks += 1
+    return checks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     w8a8 = args.device == "cpu" or qg.fp8_w8a8_supported(torch.device(args.device))
     n = check_kernels(args.device, w8a8=w8a8)
-    if args.device == "cpu":
-        n += check_models_interpreted()
+    n += check_models(args.device)
     print(f"OK {n} quantized-GEMM checks on {args.device}" + ("" if w8a8 else " (no w8a8: GPU below sm89)"))
     return 0
 
