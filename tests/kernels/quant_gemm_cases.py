@@ -270,8 +270,9 @@ def check_kernels(device: str, w8a8: bool = True) -> int:
 
 
 def check_models(device: str) -> int:
-    """A one-layer FP8 Qwen3-MoE (hidden 192) and a one-layer AWQ Qwen3 with their projections and experts kept
-    packed give the logits of the CPU path (the same checkpoints dequantized at load). On CUDA they are packed as a
+    """A one-layer FP8 Qwen3-MoE (hidden 192), a one-layer AWQ Qwen3 and AWQ Qwen3-MoE (whose experts have no
+    packed kernel: dequantized) with their projections and experts kept packed give the logits of the CPU path
+    (the same checkpoints dequantized at load). On CUDA they are packed as a
     deployment packs them (eager, and CUDA graphs); on CPU (TRITON_INTERPRET=1) packing is forced."""
     import tempfile
     from contextlib import nullcontext
@@ -293,8 +294,12 @@ def check_models(device: str) -> int:
         dense = make_tiny_qwen3(root / "dense", TinyQwen3Spec(hidden_size=128, intermediate_size=256, head_dim=64,
                                                               num_attention_heads=2, num_key_value_heads=1,
                                                               num_hidden_layers=1))
+        awq_moe = make_tiny_qwen3(root / "awq-moe-src", TinyQwen3MoeSpec(
+            hidden_size=128, moe_intermediate_size=128, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
+            num_hidden_layers=1))
         models = [(Fp8BlockFormat, write_fp8_checkpoint(moe, root / "fp8")),
-                  (AwqFormat, write_awq_checkpoint(dense, root / "awq", root / "awq-ref"))]
+                  (AwqFormat, write_awq_checkpoint(dense, root / "awq", root / "awq-ref")),
+                  (AwqFormat, write_awq_checkpoint(awq_moe, root / "awq-moe", root / "awq-moe-ref"))]
         for fmt, model_dir in models:
             ref = runner_logits(model_dir, "torch", True, cpu, "float32")
             gemm = mock.Mock(wraps=qg.fp8_block_linear if fmt is Fp8BlockFormat else qg.awq_linear)
