@@ -17,9 +17,9 @@
 # gpu_check.md in the repository root (gitignored). Exits non-zero when a check in 1-3 fails.
 #
 # scripts/gpu_check.sh --fake needs no GPU: it traces the CUDA path with fake CUDA tensors
-# (python -m rtp.fake_cuda: dense and MoE Qwen3, an FP8 MoE and an AWQ dense Qwen3 (their projections and
-# experts kept packed for the quantized kernels), bf16, TP 1 and 2 on torch.distributed's fake
-# process group, the triton and torch attention backends; start-up, prefill, mixed and decode steps,
+# (python -m rtp.fake_cuda: dense and MoE Qwen3, an FP8 MoE (also expert-parallel, and on sm80 GPUs) and an AWQ
+# dense Qwen3 (their projections and experts kept packed for the quantized kernels), bf16, TP 1 and 2 on
+# torch.distributed's fake process group, the triton and torch attention backends; start-up, prefill, mixed and decode steps,
 # CUDA-graph capture and padded replay, the sampler), prints one row per (model, TP, backend, stage),
 # writes it to gpu_check_fake.md ($OUT or the repository root) and exits non-zero on any failure.
 set -uo pipefail

@@ -16,10 +16,11 @@ BACKENDS = ("triton", "torch")  # every choice that does not need flash-attn ins
 
 def default_cases() -> list[Case]:
     """Dense and MoE x TP 1 and 2 x each backend, expert-parallel MoE at TP 2, quantized checkpoints at TP 2
-    (FP8 on an sm90 GPU, FP8 products, and on an sm80 one, the W8A16 kernels)."""
+    (FP8 on sm90 GPUs, FP8 products, also expert-parallel, and on sm80 ones, the W8A16 kernels)."""
     cases = [Case(model, tp, backend) for model in ("dense", "moe") for tp in (1, 2) for backend in BACKENDS]
     return cases + [Case("moe", 2, "triton", expert_parallel=True), Case("moe-fp8", 2, "triton"),
-                    Case("moe-fp8", 2, "triton", capability=(8, 0)), Case("dense-awq", 2, "triton")]
+                    Case("moe-fp8", 2, "triton", expert_parallel=True), Case("moe-fp8", 2, "triton", capability=(8, 0)),
+                    Case("dense-awq", 2, "triton")]
 
 
 def make_models(root: Path) -> dict[str, Path]:

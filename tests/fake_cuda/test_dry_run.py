@@ -39,6 +39,7 @@ def test_every_case_and_stage_passes(models):
     packed = {r.case.model_label: {part.split(" x ", 1)[1] for part in r.note.split("; ") if " x " in part}
               for r in rows if r.stage == STAGES[0] and "-" in r.case.model}
     assert packed == {"moe-fp8": {"Fp8Experts (w8a8)", "Fp8Packed (w8a8)"},
+                      "moe-fp8 (EP)": {"Fp8Experts (w8a8)", "Fp8Packed (w8a8)"},
                       "moe-fp8 (sm80)": {"Fp8Experts", "Fp8Packed"}, "dense-awq": {"AwqPacked"}}, packed
     decode = [r for r in rows if r.case == Case("dense", 1, "triton") and r.stage.startswith("decode")]
     assert [r.note.split(";")[0] for r in decode] == [
