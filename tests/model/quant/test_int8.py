@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rtp.distributed.parallel import ParallelState
-from rtp.kernels import cpu_gemm
+from rtp.kernels import cpu_gemm, cpu_int8_gemm
 from rtp.model.linear import ColumnParallelLinear, RowParallelLinear
 from rtp.model.quant.int8 import INT8, int8_kernel_supported, quantize_int8, quantize_per_channel
 from rtp.runtime.model_runner import load_model
@@ -27,8 +27,8 @@ def test_per_channel_quantization_is_within_half_a_step():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(24, 96), (40, 100), (64, 256)])
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "fallback"])
-def test_int8_linear_matches_dequantized_reference(dtype, n, k, kernel):
+@pytest.mark.parametrize("path", ["int8_gemm", "panels", "torch", "fallback"])
+def test_int8_linear_matches_dequantized_reference(dtype, n, k, path):
     g = torch.Generator().manual_seed(n * k)
     layer = ColumnParallelLinear(k, n, ONE, bias=True)
     layer.weight.data = torch.randn(n, k, generator=g).to(dtype)
@@ -36,17 +36,30 @@ def test_int8_linear_matches_dequantized_reference(dtype, n, k, kernel):
     layer.method = INT8
     INT8.process_weights_after_loading(layer)
     assert layer.int8_kernel == int8_kernel_supported(torch.device("cpu"), dtype, k)
-    # fp32 on CPU: rtp's int8 panels where the GEMM builds; bf16: torch's int8 kernel where it computes
-    assert (layer.int8_panels is not None) == (dtype == torch.float32 and cpu_gemm.available())
-    layer.int8_kernel = layer.int8_kernel and kernel
-    if not kernel:
-        layer.int8_panels = None
+    # On CPU: the int8 x int8 GEMM where the CPU has VNNI, else rtp's int8 panels for fp32 where they build
+    assert layer.int8_vnni == cpu_int8_gemm.available()
+    assert (layer.int8_panels is not None) == (cpu_int8_gemm.available() or
+                                               (dtype == torch.float32 and cpu_gemm.available()))
+    q = layer.int8_weight
+    if path == "int8_gemm" and not cpu_int8_gemm.available():
+        pytest.skip("the CPU has no AVX-512 VNNI")
+    if path == "panels" and (dtype != torch.float32 or not cpu_gemm.available()):
+        pytest.skip("rtp's int8 panels take fp32 activations")
+    if path == "torch" and not layer.int8_kernel:
+        pytest.skip("torch's int8 kernel does not compute this shape")
+    layer.int8_panels, layer.int8_vnni = {
+        "int8_gemm": (cpu_int8_gemm.pack(q) if path == "int8_gemm" else None, True),
+        "panels": (cpu_gemm.pack(q) if path == "panels" else None, False),
+    }.get(path, (None, False))
+    layer.int8_kernel = path == "torch"
     x = torch.randn(7, k, generator=g).to(dtype)
-    want = x.double() @ (layer.int8_weight.double() * layer.int8_scale.double()[:, None]).T + layer.bias.double()
+    want = x.double() @ (q.double() * layer.int8_scale.double()[:, None]).T + layer.bias.double()
     got = layer(x)
     assert got.dtype == dtype and got.shape == (7, n)
     rel = ((got.double() - want).norm() / want.norm()).item()
-    assert rel < (1e-6 if dtype == torch.float32 else 1e-2), rel
+    # int8 activations (groups of 128 inputs, 1/254 of their range per step) cost about 0.5% here
+    bound = 2e-2 if path == "int8_gemm" or dtype == torch.bfloat16 else 1e-6
+    assert rel < bound, rel
 
 
 def test_int8_model_quantizes_every_projection_from_its_float_weight(tmp_path):
@@ -54,8 +67,10 @@ def test_int8_model_quantizes_every_projection_from_its_float_weight(tmp_path):
     ref, _ = load_model(path, ONE, torch.float32)
     model, _ = load_model(path, ONE, torch.float32, quantization="int8")
     projections = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    projections.append(model.lm_head)
     assert projections and all(m.method is INT8 for m in projections)
-    assert model.lm_head.method is not INT8  # the (tied) head stays in the compute dtype
+    assert model.lm_head.method is INT8  # the head too: at Qwen3's vocabulary it is a large share of the bytes
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.numel() > 0  # tied: kept
     # Every projection's int8 weight times its scales is its fp32 weight to within half a step.
     for name, m in model.named_modules():
         if m in projections:
