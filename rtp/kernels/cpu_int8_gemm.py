@@ -29,16 +29,14 @@ import torch
 
 from rtp.kernels.cpu_build import build
 from rtp.kernels.cpu_features import cpu_flags
+from rtp.kernels.cpu_simd import AMX_HEADER
 
 GROUP = 128
 """Activation inputs per quantization group."""
 
-_SOURCE = r"""
+_SOURCE = AMX_HEADER + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -176,17 +174,7 @@ static void gemm_block(const int8_t* xq, const float* sx, const int32_t* xs, con
 // 32-row x 32-output block keeps four int32 tiles; after each group they are stored and folded into the fp32
 // accumulators exactly as the VNNI tiles are, so both paths give the same result.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-static bool amx_permitted() {
-  // Linux hands a process the AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+static bool amx_permitted() { return rtp_amx::permitted(); }
 
 static void amx_block(const int8_t* xq, const float* sx, const int32_t* xs, const uint8_t* wp, const float* sw,
                       const float* bias, float* y, int64_t M, int64_t N, int64_t K, int64_t Kp) {
@@ -194,7 +182,7 @@ static void amx_block(const int8_t* xq, const float* sx, const int32_t* xs, cons
   const int64_t panels = (N + NR - 1) / NR, pairs = (panels + 1) / 2, G = (K + KG - 1) / KG;
   const int64_t panel_bytes = Kp * NR;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    TileConfig cfg;
+    rtp_amx::TileConfig cfg;
     for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
     _tile_loadconfig(&cfg);  // tiles 0-3: int32 sums (rows 0-15 / 16-31 x panel 0 / 1); 4, 5: x; 6, 7: weights
     alignas(64) int32_t ci[32 * 32];

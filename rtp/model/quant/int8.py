@@ -7,10 +7,10 @@ a rank's scales cover its own slice) gets symmetric per-output-channel scales,
 ``y = (x qᵀ) * scale`` with activations in the compute dtype.
 
 On CPUs with AVX-512 VNNI the product is computed in int8 (:mod:`rtp.kernels.cpu_int8_gemm`: the
-activations quantized per row and group of 128 inputs as they arrive, then ``vpdpbusd``), for fp32
-and bf16 activations alike: at Qwen3-0.6B's shapes it is 1.7x oneDNN's bf16 product at 8 rows and
-2.4x at one (it streams half of bf16's bytes), about even at 32 rows, and slower for prompt
-steps (0.65x at 128 rows, where oneDNN's bf16 product runs on AMX tiles).
+activations quantized per row and group of 128 inputs as they arrive, then AMX tiles or
+``vpdpbusd``), for fp32 and bf16 activations alike: at Qwen3-0.6B's shapes it is 1.9x oneDNN's
+bf16 product at 8 rows and 2.4x at one (it streams half of bf16's bytes), 1.6x at 32 rows, and
+slower for long prompt steps (0.76x at 256 rows, against oneDNN's bf16 AMX kernel).
 
 Elsewhere on CPU, with fp32 activations, the product is rtp's panel GEMM over int8 panels (the weight widened
 in registers, the scale applied once per output: it streams a quarter of fp32's bytes; torch's
