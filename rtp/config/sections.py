@@ -73,9 +73,11 @@ class ModelConfig(Section):
     """"auto" (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else float32), "float32", "bfloat16",
     "float16"."""
     quantization: str | None = setting(None, choice("int8", nullable=True))
-    """"int8": int8 weight-only attention and MLP projections, per-output-channel scales computed at load
-    from a float (or FP8/AWQ) checkpoint; for CPU decode, which reads 4x fewer weight bytes than in fp32.
-    None: the checkpoint's own format (a quantized checkpoint's quantization_config is always read)."""
+    """"int8": int8 attention and MLP projections and LM head, per-output-channel scales computed at load
+    from a float (or FP8/AWQ) checkpoint; for CPU decode, which reads 4x fewer weight bytes than in fp32
+    (on CPUs with AVX-512 VNNI the activations are quantized too, per group of 128 inputs, and the
+    products computed in int8). None: the checkpoint's own format (a quantized checkpoint's
+    quantization_config is always read)."""
     max_model_len: int | None = setting(None, integer(1, nullable=True))
     """Longest prompt + completion in tokens, >= 1; None means the model's max_position_embeddings."""
     enforce_eager: bool = setting(False, BOOL)

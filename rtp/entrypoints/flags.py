@@ -82,7 +82,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "float32), float32, bfloat16, float16 (vLLM's half, float, bf16 accepted)",
          metavar="{auto,float32,bfloat16,float16}"),
     Flag("model.quantization", ("--quantization",), str,
-         "int8: int8 weight-only projections, quantized at load (CPU decode); quantized checkpoints need none",
+         "int8: int8 projections and LM head, quantized at load (CPU decode); quantized checkpoints need none",
          ("int8",)),
     Flag("cache.block_size", ("--block-size",), int, "tokens per KV block, a power of two in 1..1024"),
     Flag("scheduler.max_num_seqs", ("--max-num-seqs",), int, "most sequences running at once"),

@@ -133,7 +133,7 @@ def load_model(
 
     ``expert_parallel`` (MoE only): whole experts per rank instead of a slice of every expert.
     A quantized checkpoint (``quantization_config``: FP8 blocks, AWQ) is dequantized to ``dtype`` at load;
-    ``quantization="int8"`` then makes the attention and MLP projections int8 weight-only.
+    ``quantization="int8"`` then makes the attention and MLP projections and the LM head int8.
     """
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     is_moe = getattr(hf_config, "model_type", None) == "qwen3_moe"
@@ -154,7 +154,7 @@ def load_model(
     if quant is not None:
         logger.info("dequantized the %s checkpoint's projections to %s at load", quant.name, dtype)
     if quantization == "int8":
-        logger.info("int8 weight-only: %d projections quantized per output channel", quantize_int8(model))
+        logger.info("int8: %d layers quantized per output channel", quantize_int8(model))
     method = cpu_linear_method(ps.device, dtype)
     if method is not None:
         n = pack_linear_weights(model, method)  # the layers still plain (all, or the LM head and routers)

@@ -1,4 +1,4 @@
-"""int8 weight-only quantization computed at load (``quantization: int8``): W8A16 for CPU decode.
+"""int8 weights quantized at load (``quantization: int8``) for CPU decode: W8A8 on VNNI CPUs, else W8A16.
 
 Decode reads every weight once per step and is bound by memory bandwidth: int8 weights are a
 quarter of fp32's bytes and half of bf16's. Each attention and MLP projection (after sharding, so
