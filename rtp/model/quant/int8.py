@@ -50,9 +50,9 @@ def int8_kernel_supported(device: torch.device, dtype: torch.dtype, in_features:
 
 
 class Int8WeightOnlyMethod(PlainLinearMethod):
-    """Loads the plain weight, then holds ``int8_weight [N, K]`` and ``int8_scale [N]`` in its place, and on
-    CPU the same int8 values packed for a kernel, ``int8_panels``: VNNI panels where the CPU has AVX-512
-    VNNI (``int8_vnni``), else, for fp32, rtp's GEMM panels where that builds."""
+    """Loads the plain weight, then holds ``int8_scale [N]`` and the int8 values in its place: as VNNI panels
+    only (``int8_panels``, ``int8_vnni``) where the CPU has AVX-512 VNNI, else as ``int8_weight [N, K]``, with
+    (for fp32 where rtp's GEMM builds) the same values as its panels beside it."""
 
     name = "int8"
 
@@ -64,7 +64,9 @@ class Int8WeightOnlyMethod(PlainLinearMethod):
         layer.int8_kernel = int8_kernel_supported(w.device, w.dtype, w.shape[1])
         layer.int8_panels, layer.int8_vnni = None, False
         if w.device.type == "cpu" and cpu_int8_gemm.available():
-            layer.int8_panels, layer.int8_vnni = cpu_int8_gemm.pack(q), True  # [ceil(N / 16), ceil(K / 4), 16, 4]
+            # Every product runs on these panels: the int8 values are kept there only.
+            layer.int8_panels, layer.int8_vnni = cpu_int8_gemm.pack(q), True  # [ceil(N / 16), Kp / 4, 16, 4]
+            layer.int8_weight = None
         elif w.device.type == "cpu" and w.dtype == torch.float32 and cpu_gemm.available():
             layer.int8_panels = cpu_gemm.pack(q)  # [ceil(N / 16), K, 16]
         if not keep_plain:
@@ -72,11 +74,11 @@ class Int8WeightOnlyMethod(PlainLinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x [T, K] -> [T, N]
-        q, scale = layer.int8_weight, layer.int8_scale
-        assert q is not None and scale is not None, "int8 weights are set after loading"
-        panels = layer.int8_panels
+        q, scale, panels = layer.int8_weight, layer.int8_scale, layer.int8_panels
+        assert scale is not None, "int8 weights are set after loading"
         if panels is not None and layer.int8_vnni:
             return cpu_int8_gemm.linear(x, panels, layer.out_features, scale, bias)
+        assert q is not None, "the int8 weight is kept wherever the VNNI panels are not"
         if panels is not None and x.dtype == torch.float32:
             return cpu_gemm.linear(x, panels, layer.out_features, bias, scale)
         if layer.int8_kernel and x.dtype == scale.dtype:
