@@ -260,6 +260,40 @@ torch::Tensor pack(torch::Tensor q) {
   return padded.to(at::kByte).view({panels, NR, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
 }
 
+template <typename T>
+static void quantize_pack_impl(const T* w, int64_t N, int64_t K, int64_t Kp, uint8_t* wp, float* scale) {
+  // Row n of w: scale[n] = max|w| / 127 (1 for an all-zero row), q = round(w / scale) to nearest even; q + 128
+  // goes to byte (k % 4) of column n % NR in row k / 4 of panel n / NR.
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const T* row = w + n * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(row[k])));
+      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      scale[n] = s;
+      uint8_t* col = wp + (n / NR) * Kp * NR + (n % NR) * 4;
+      for (int64_t k = 0; k < Kp; ++k) {
+        const float q = k < K ? std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(row[k]) / s))) : 0.f;
+        col[(k / 4) * NR * 4 + k % 4] = static_cast<uint8_t>(static_cast<int32_t>(q) + 128);
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> quantize_pack(torch::Tensor w) {
+  // float [N, K] -> (pack(q), scale [N] fp32) for q, scale = rtp.model.quant.int8.quantize_per_channel(w), in one pass.
+  TORCH_CHECK(w.dim() == 2, "quantize_pack: the weight must be [N, K]");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR, Kp = (K + 63) / 64 * 64;
+  auto wp = torch::full({panels, Kp / 4, NR, 4}, 128, w.options().dtype(at::kByte));  // padding: a zero weight
+  auto scale = torch::empty({N}, w.options().dtype(at::kFloat));
+  uint8_t* out = wp.data_ptr<uint8_t>();
+  float* sp = scale.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, w.scalar_type(), "quantize_pack",
+                                  [&] { quantize_pack_impl<scalar_t>(w.data_ptr<scalar_t>(), N, K, Kp, out, sp); });
+  return {wp, scale};
+}
+
 torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                    bool use_amx) {
   // x: [M, K] (any float dtype); wp from pack(); scale: [N] per output; returns [M, N] in x's dtype.
@@ -303,7 +337,7 @@ def load() -> ModuleType | None:
     """Build (first use) and import the kernel; None on CPUs without AVX-512 VNNI or where it cannot be built."""
     if "avx512_vnni" not in cpu_flags():
         return None
-    return build("cpu_int8_gemm", _SOURCE, ["pack", "gemm", "has_amx"])
+    return build("cpu_int8_gemm", _SOURCE, ["pack", "quantize_pack", "gemm", "has_amx"])
 
 
 def available() -> bool:
@@ -318,6 +352,16 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     if module is None:
         raise RuntimeError("the int8 VNNI GEMM kernel is not available on this machine")
     return module.pack(q.detach())
+
+
+def quantize_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float ``weight [N, K]`` quantized per output channel and packed in one pass: ``(pack(q), scale)`` for
+    ``q, scale = rtp.model.quant.int8.quantize_per_channel(weight)`` (fp32 scale)."""
+    module = load()
+    if module is None:
+        raise RuntimeError("the int8 VNNI GEMM kernel is not available on this machine")
+    panels, scale = module.quantize_pack(weight.detach())
+    return panels, scale
 
 
 def has_amx() -> bool:

@@ -94,3 +94,16 @@ def test_bad_arguments_fail_with_a_message() -> None:
         cpu_int8_gemm.linear(torch.randn(2, 64), packed, 32, torch.ones(31))
     with pytest.raises(RuntimeError, match="int8"):
         cpu_int8_gemm.pack(q.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_pack_equals_quantize_then_pack(dtype) -> None:
+    from rtp.model.quant.int8 import quantize_per_channel
+
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(37, 200, generator=gen) * torch.logspace(-3, 1, 37)[:, None]).to(dtype)
+    w[5] = 0.0  # an all-zero row
+    q, scale = quantize_per_channel(w)
+    panels, got_scale = cpu_int8_gemm.quantize_pack(w)
+    assert torch.equal(panels, cpu_int8_gemm.pack(q))
+    assert torch.equal(got_scale, scale)

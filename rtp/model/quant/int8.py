@@ -58,17 +58,19 @@ class Int8WeightOnlyMethod(PlainLinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase, keep_plain: bool = False) -> None:
         w = layer.weight.data  # [N, K] in the compute dtype
-        q, scale = quantize_per_channel(w)
-        layer.int8_weight, layer.int8_scale = q, scale.to(w.dtype)
         layer.out_features = w.shape[0]
         layer.int8_kernel = int8_kernel_supported(w.device, w.dtype, w.shape[1])
         layer.int8_panels, layer.int8_vnni = None, False
         if w.device.type == "cpu" and cpu_int8_gemm.available():
-            # Every product runs on these panels: the int8 values are kept there only.
-            layer.int8_panels, layer.int8_vnni = cpu_int8_gemm.pack(q), True  # [ceil(N / 16), Kp / 4, 16, 4]
-            layer.int8_weight = None
-        elif w.device.type == "cpu" and w.dtype == torch.float32 and cpu_gemm.available():
-            layer.int8_panels = cpu_gemm.pack(q)  # [ceil(N / 16), K, 16]
+            # Every product runs on these panels: the int8 values are kept there only (quantized and packed
+            # in one pass: the same values and scales as quantize_per_channel).
+            layer.int8_panels, scale = cpu_int8_gemm.quantize_pack(w)  # [ceil(N / 16), Kp / 4, 16, 4]
+            layer.int8_weight, layer.int8_scale, layer.int8_vnni = None, scale.to(w.dtype), True
+        else:
+            q, scale = quantize_per_channel(w)
+            layer.int8_weight, layer.int8_scale = q, scale.to(w.dtype)
+            if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_gemm.available():
+                layer.int8_panels = cpu_gemm.pack(q)  # [ceil(N / 16), K, 16]
         if not keep_plain:
             layer.weight.data = torch.empty(0, dtype=w.dtype, device=w.device)
 
