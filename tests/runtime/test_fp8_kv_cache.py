@@ -101,6 +101,9 @@ def _generate(tmp_path: Path, model_dir: Path, prompts: list[list[int]]) -> dict
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert all(len(t) == 16 for kv in ("auto", "fp8_e4m3") for t in res[kv]["tokens"])
+    # Prefix caching is unaffected: the second pass reads the prompts' full blocks from the cache, same tokens.
+    for kv in ("auto", "fp8_e4m3"):
+        assert res[kv]["hits"] >= sum(len(p) // 16 * 16 for p in prompts) and res[kv]["again"] == res[kv]["tokens"]
     # fp32 compute: the FP8 cache holds four times the blocks in the same cpu_kv_cache_gib.
     assert res["fp8_e4m3"]["num_blocks"] in range(4 * res["auto"]["num_blocks"], 4 * res["auto"]["num_blocks"] + 4)
     return res
