@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-from rtp.kernels.fp8_kv import FP8_KV_DTYPE, FP8_MAX, kv_cache_dtype
+from rtp.kernels.fp8_kv import FP8_KV_DTYPE, FP8_MAX, dequantize, kv_cache_dtype
 from rtp.kernels.kv_store import check_store_kv_args, store_kv
 from rtp.kernels.op_checks import KernelArgError
 from rtp.kernels.paged_attention import check_paged_attention_args
@@ -136,3 +136,13 @@ def test_an_fp8_cache_skips_flash_attn_and_the_cpu_kernels():
         assert choose_attn_backend(cuda, torch.bfloat16, FP8_KV_DTYPE) == "triton"
     assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert kv_cache_dtype("fp8_e4m3", torch.bfloat16) == FP8_KV_DTYPE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_table_dequantize_equals_elementwise_conversion(dtype):
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_KV_DTYPE).view(4, 8, 8)[:, ::2]
+    scale = torch.tensor([0.37])
+    got = dequantize(every_byte, scale, dtype)  # (a strided view: half the bytes)
+    want = (every_byte.float() * scale).to(dtype)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
