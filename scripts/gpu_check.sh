@@ -6,6 +6,9 @@
 #      (python -m tests.kernels.paged_attention_cases: needs no pytest)
 #   1b. fused MoE on CUDA: Triton kernels vs torch path, CUDA-graph replay, a tiny Qwen3-MoE model,
 #      timings of one Qwen3-30B-A3B MoE layer (python -m tests.kernels.fused_moe_cases)
+#   1c. FP8 KV cache on CUDA: the Triton store byte for byte against the torch reference, paged attention on
+#      an fp8 cache (fp32 and bf16 queries) against float64, the model on the triton backend against the torch
+#      backend, both with kv_cache_dtype fp8_e4m3 (python -m tests.kernels.fp8_kv_cases)
 #   2. the gpu-marked tests (pytest -m gpu over the files that hold them), when pytest is installed
 #   3. a 2-rank NCCL smoke run, when there are 2+ GPUs
 #   4. a short benchmark (scripts/bench.py --quick); its failure is reported, not fatal
@@ -14,7 +17,8 @@
 #
 # scripts/gpu_check.sh --fake needs no GPU: it traces the CUDA path with fake CUDA tensors
 # (python -m rtp.fake_cuda: dense and MoE Qwen3, bf16, TP 1 and 2 on torch.distributed's fake
-# process group, the triton and torch attention backends; start-up, prefill, mixed and decode steps,
+# process group, the triton and torch attention backends, FP8/AWQ checkpoints, the FP8 KV cache with
+# checkpoint scales; start-up, prefill, mixed and decode steps,
 # CUDA-graph capture and padded replay, the sampler), prints one row per (model, TP, backend, stage),
 # writes it to gpu_check_fake.md ($OUT or the repository root) and exits non-zero on any failure.
 set -uo pipefail
@@ -90,6 +94,8 @@ if [ "$NUM_GPUS" -ge 1 ]; then
         "$PY" -m tests.kernels.paged_attention_cases --device cuda --bench
     check "fused MoE on CUDA (kernels fp32/bf16, CUDA graph, tiny Qwen3-MoE model)" 120 \
         "$PY" -m tests.kernels.fused_moe_cases --device cuda --bench
+    check "FP8 KV cache on CUDA (store, paged attention vs float64, tiny model)" 90 \
+        "$PY" -m tests.kernels.fp8_kv_cases --device cuda
     GPU_TESTS="tests/model/test_attention.py tests/kernels/test_paged_attention.py tests/runtime/test_cuda_graphs.py tests/kernels/test_fused_moe.py"
     if "$PY" -c "import pytest" 2>/dev/null; then
         # shellcheck disable=SC2086 # one word per file

@@ -157,6 +157,11 @@ class CacheConfig(Section):
     """Fixed number of KV blocks per rank (>= 1), overriding the memory-based sizing."""
     cpu_kv_cache_gib: float = setting(1.0, number("a number > 0", lambda v: v > 0.0))
     """KV cache size per rank on CPU, in GiB, > 0."""
+    kv_cache_dtype: str = setting("auto", choice("auto", "fp8_e4m3"))
+    """"auto": the KV cache in the model's compute dtype; "fp8_e4m3": float8_e4m3fn with per-layer k/v scales
+    (the checkpoint's ``self_attn.k_scale`` / ``v_scale``, else 1.0), one byte per element, so the same memory
+    holds twice the blocks of a bf16 cache. On CUDA it is read by the Triton attention (not flash-attn 2), on
+    CPU by the torch path (not the C++ kernels)."""
 
 
 @dataclass(frozen=True)

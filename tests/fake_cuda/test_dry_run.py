@@ -27,7 +27,10 @@ def test_every_case_and_stage_passes(models):
     assert not failed, "\n".join(failed)
     seen = {(r.case.model, r.case.tp, r.case.backend) for r in rows}
     assert seen == {(m, tp, b) for m in ("dense", "moe") for tp in (1, 2) for b in ("triton", "torch")} | {
-        ("moe-fp8", 2, "triton"), ("dense-awq", 2, "triton")}
+        ("moe-fp8", 2, "triton"), ("dense-awq", 2, "triton"), ("dense-kv-scales", 2, "triton"),
+        ("dense-kv-scales", 2, "torch")}
+    fp8_start = [r for r in rows if r.case.kv_cache_dtype == "fp8_e4m3" and r.stage == STAGES[0]]
+    assert len(fp8_start) == 2 and all("(float8_e4m3fn)" in r.note for r in fp8_start), fp8_start
     for r in rows:
         # Graph stages run where graphs exist (triton); the torch backend decodes eagerly.
         if r.stage == "CUDA-graph capture":
