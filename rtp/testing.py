@@ -537,3 +537,20 @@ def default_model_dir(cache_root: str | Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def add_kv_scales(model_dir: str | Path, k_scales: list[float], v_scales: list[float], shape: tuple[int, ...] = (),
+                  v_shape: tuple[int, ...] | None = None) -> Path:
+    """Add per-layer FP8 KV-cache scales (``model.layers.N.self_attn.k_scale`` / ``v_scale``, float32 of ``shape``,
+    ``()`` or ``(1,)`` as FP8 checkpoints store them; ``v_shape`` for the v scales, default ``shape``) to a
+    single-file checkpoint written by :func:`make_tiny_qwen3`."""
+    from safetensors.torch import load_file
+
+    path = Path(model_dir) / "model.safetensors"
+    weights = load_file(str(path))
+    for i, (k, v) in enumerate(zip(k_scales, v_scales)):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.full(shape, k, dtype=torch.float32)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.full(shape if v_shape is None else v_shape, v,
+                                                                    dtype=torch.float32)
+    save_file(weights, str(path), metadata={"format": "pt"})
+    return Path(model_dir)

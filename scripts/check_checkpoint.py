@@ -42,7 +42,8 @@ def main() -> int:
     except (RtpError, ValueError, OSError) as e:
         print(f"{args.model}: {e}", file=sys.stderr)
         return 1
-    print(f"{args.model}: OK ({fmt.name if fmt else 'float'} checkpoint), rank {args.rank} of {args.tp}: "
+    scales = f", FP8 KV-cache scales for {report.kv_scales // 2} layers" if report.kv_scales else ""
+    print(f"{args.model}: OK ({fmt.name if fmt else 'float'} checkpoint{scales}), rank {args.rank} of {args.tp}: "
           f"{report.tensors} tensors, {report.bytes_read / 2**20:.1f} MiB read, {report.seconds:.1f} s")
     return 0
 

@@ -6,7 +6,10 @@
 #      (python -m tests.kernels.paged_attention_cases: needs no pytest)
 #   1b. fused MoE on CUDA: Triton kernels vs torch path, CUDA-graph replay, a tiny Qwen3-MoE model,
 #      timings of one Qwen3-30B-A3B MoE layer (python -m tests.kernels.fused_moe_cases)
-#   1c. quantized GEMMs on CUDA: FP8 per-token-group quantization, w8a8 (sm89+) and W8A16 block matmuls,
+#   1c. FP8 KV cache on CUDA: the Triton store byte for byte against the torch reference, paged attention on
+#      an fp8 cache (fp32 and bf16 queries) against float64, the model on the triton backend against the torch
+#      backend, both with kv_cache_dtype fp8_e4m3 (python -m tests.kernels.fp8_kv_cases)
+#   1d. quantized GEMMs on CUDA: FP8 per-token-group quantization, w8a8 (sm89+) and W8A16 block matmuls,
 #      AWQ int4, the FP8 fused MoE and packed TP-shard layers vs float64 dequantized references, and tiny
 #      FP8-MoE and AWQ models (eager and CUDA graphs) vs the CPU path
 #      (python -m tests.kernels.quant_gemm_cases)
@@ -17,9 +20,10 @@
 # gpu_check.md in the repository root (gitignored). Exits non-zero when a check in 1-3 fails.
 #
 # scripts/gpu_check.sh --fake needs no GPU: it traces the CUDA path with fake CUDA tensors
-# (python -m rtp.fake_cuda: dense and MoE Qwen3, an FP8 MoE (also expert-parallel, and on sm80 GPUs) and an AWQ
-# dense Qwen3 (their projections and experts kept packed for the quantized kernels), bf16, TP 1 and 2 on
-# torch.distributed's fake process group, the triton and torch attention backends; start-up, prefill, mixed and decode steps,
+# (python -m rtp.fake_cuda: dense and MoE Qwen3, bf16, TP 1 and 2 on torch.distributed's fake
+# process group, the triton and torch attention backends, FP8/AWQ checkpoints (their projections and experts
+# kept packed for the quantized kernels; the FP8 MoE also expert-parallel and on sm80 GPUs), the FP8 KV cache
+# with checkpoint scales; start-up, prefill, mixed and decode steps,
 # CUDA-graph capture and padded replay, the sampler), prints one row per (model, TP, backend, stage),
 # writes it to gpu_check_fake.md ($OUT or the repository root) and exits non-zero on any failure.
 set -uo pipefail
@@ -95,6 +99,8 @@ if [ "$NUM_GPUS" -ge 1 ]; then
         "$PY" -m tests.kernels.paged_attention_cases --device cuda --bench
     check "fused MoE on CUDA (kernels fp32/bf16, CUDA graph, tiny Qwen3-MoE model)" 120 \
         "$PY" -m tests.kernels.fused_moe_cases --device cuda --bench
+    check "FP8 KV cache on CUDA (store, paged attention vs float64, tiny model)" 90 \
+        "$PY" -m tests.kernels.fp8_kv_cases --device cuda
     check "quantized GEMMs on CUDA (FP8 w8a8/W8A16, AWQ, FP8 fused MoE, TP-shard layers, tiny models)" 120 \
         "$PY" -m tests.kernels.quant_gemm_cases --device cuda
     GPU_TESTS="tests/model/test_attention.py tests/kernels/test_paged_attention.py tests/runtime/test_cuda_graphs.py tests/kernels/test_fused_moe.py tests/kernels/test_quant_gemm.py"

@@ -2,6 +2,7 @@
 
     python scripts/soak.py                       # starts a TP=2 server of the tiny test model itself
     python scripts/soak.py --storms 12 --tp 2 --model DIR
+    python scripts/soak.py --api-processes 2     # two HTTP frontend processes (default: the server's, 1)
     python scripts/soak.py --base-url http://127.0.0.1:8000 --pids 1234,1235   # a running server
 
 One storm: ``--clients`` concurrent clients send ``--requests`` streaming requests
@@ -9,13 +10,13 @@ One storm: ``--clients`` concurrent clients send ``--requests`` streaming reques
 connection after 0 to ``--max-chunks`` chunks, and every ``--timeout-every``-th
 request gives up after a short client timeout instead. After each storm the
 script waits until the server's running and waiting gauges are 0, samples
-every rank's RSS (``VmRSS`` of ``/proc/PID/status``) and checks that a greedy
+every rank's and every frontend process's RSS (``VmRSS`` of ``/proc/PID/status``) and checks that a greedy
 completion still equals the one before the first storm. The first storm is a
 warm-up (allocator pools, caches and compiled kernels fill up); the verdict
 looks at the growth over the last ``--window`` storms.
 
 Exit status 1 when a storm lost a request (a 5xx, an error event), a gauge
-stayed above 0, greedy output changed or, with ``--max-growth-mb``, a rank grew
+stayed above 0, greedy output changed or, with ``--max-growth-mb``, a process grew
 more than that over the window.
 """
 
@@ -64,8 +65,7 @@ def rss_mb(pid: int) -> float:
 def rank_pids(agent_pid: int) -> dict[int, int]:
     """rank -> pid of the ranks a torchrun agent started (its children with RANK in their environment)."""
     pids: dict[int, int] = {}
-    children = subprocess.run(["ps", "--ppid", str(agent_pid), "-o", "pid="], capture_output=True, text=True)
-    for pid in map(int, children.stdout.split()):
+    for pid in _children(agent_pid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -74,6 +74,25 @@ def rank_pids(agent_pid: int) -> dict[int, int]:
             if item.startswith(b"RANK="):
                 pids[int(item[5:])] = pid
     return pids
+
+
+def server_pids(agent_pid: int) -> dict[str, int]:
+    """"rank R" and "frontend I" -> pid: the ranks a torchrun agent started and rank 0's HTTP frontend processes."""
+    ranks = rank_pids(agent_pid)
+    pids = {f"rank {r}": pid for r, pid in sorted(ranks.items())}
+    for pid in _children(ranks[0]) if 0 in ranks else []:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rtp.server.frontend" in argv and b"--index" in argv:
+            pids[f"frontend {int(argv[argv.index(b'--index') + 1])}"] = pid
+    return pids
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid="], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
 
 
 def _body(i: int, model: str, rng: random.Random) -> tuple[str, dict]:
@@ -166,12 +185,13 @@ def greedy(base_url: str, headers: dict[str, str] | None = None) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def soak(base_url: str, pids: dict[int, int], storms: int, requests: int, clients: int, max_chunks: int,
-         timeout_every: int, echo: bool = True) -> tuple[list[dict[int, float]], list[str]]:
-    """Run ``storms`` storms; return each rank's RSS (MB) before the first and after every storm, and failures."""
+def soak(base_url: str, pids: dict[str, int], storms: int, requests: int, clients: int, max_chunks: int,
+         timeout_every: int, echo: bool = True) -> tuple[list[dict[str, float]], list[str]]:
+    """Run ``storms`` storms; return each process's RSS (MB, by label: "rank 0", "frontend 0") before the first
+    and after every storm, and failures."""
     failures: list[str] = []
     reference = greedy(base_url)
-    curve = [{rank: rss_mb(pid) for rank, pid in pids.items()}]
+    curve = [{name: rss_mb(pid) for name, pid in pids.items()}]
     if echo:
         print(f"before: {_row(curve[0])}", flush=True)
     for s in range(storms):
@@ -182,7 +202,7 @@ def soak(base_url: str, pids: dict[int, int], storms: int, requests: int, client
             failures.append(f"storm {s}: running/waiting gauges are {gauges(base_url)}, not 0")
         if greedy(base_url) != reference:
             failures.append(f"storm {s}: the greedy output changed")
-        curve.append({rank: rss_mb(pid) for rank, pid in pids.items()})
+        curve.append({name: rss_mb(pid) for name, pid in pids.items()})
         if echo:
             print(f"storm {s}{' (warm-up)' if s == 0 else ''}: {res.sent} sent, {res.dropped} dropped, "
                   f"{res.timed_out} timed out, {res.finished} finished in {time.monotonic() - start:.1f} s; "
@@ -190,14 +210,14 @@ def soak(base_url: str, pids: dict[int, int], storms: int, requests: int, client
     return curve, failures
 
 
-def _row(rss: dict[int, float]) -> str:
-    return ", ".join(f"rank {rank} {mb:.1f} MB" for rank, mb in sorted(rss.items()))
+def _row(rss: dict[str, float]) -> str:
+    return ", ".join(f"{name} {mb:.1f} MB" for name, mb in rss.items())
 
 
-def growth(curve: list[dict[int, float]], window: int) -> dict[int, float]:
-    """Per rank: RSS after the last storm minus RSS ``window`` storms earlier, in MB."""
+def growth(curve: list[dict[str, float]], window: int) -> dict[str, float]:
+    """Per process: RSS after the last storm minus RSS ``window`` storms earlier, in MB."""
     last, base = curve[-1], curve[max(0, len(curve) - 1 - window)]
-    return {rank: last[rank] - base[rank] for rank in last}
+    return {name: last[name] - base[name] for name in last}
 
 
 def start_server(tp: int, model: str | None, config_text: str, log: Path) -> tuple[subprocess.Popen, str]:
@@ -231,6 +251,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", help="a running server (then --pids names its ranks' pids)")
     ap.add_argument("--pids", help="comma-separated pids of the ranks of --base-url, rank 0 first")
+    ap.add_argument("--api-processes", type=int,
+                    help="HTTP frontend processes of the server this script starts (server.api_processes)")
     ap.add_argument("--tp", type=int, default=2, help="ranks of the server this script starts")
     ap.add_argument("--model", help="checkpoint of the server this script starts (default: the tiny test model)")
     ap.add_argument("--storms", type=int, default=7, help="storms, the first one a warm-up")
@@ -247,12 +269,16 @@ def main() -> int:
         if args.base_url:
             if not args.pids:
                 ap.error("--base-url needs --pids")
-            base_url, pids = args.base_url, dict(enumerate(int(p) for p in args.pids.split(",")))
+            base_url = args.base_url
+            pids = {f"rank {r}": int(p) for r, p in enumerate(args.pids.split(","))}
         else:
             log = Path(tempfile.mkdtemp(prefix="rtp-soak-")) / "server.log"
             print(f"starting a TP={args.tp} server (log: {log})", flush=True)
-            proc, base_url = start_server(args.tp, args.model, SERVER_CONFIG, log)
-            pids = rank_pids(proc.pid)
+            config = SERVER_CONFIG
+            if args.api_processes is not None:
+                config += f"  api_processes: {args.api_processes}\n"
+            proc, base_url = start_server(args.tp, args.model, config, log)
+            pids = server_pids(proc.pid)
         curve, failures = soak(base_url, pids, args.storms, args.requests, args.clients, args.max_chunks,
                                args.timeout_every)
     finally:
@@ -264,9 +290,9 @@ def main() -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
     grown = growth(curve, args.window)
     print(f"growth over the last {args.window} storms: "
-          + ", ".join(f"rank {r} {mb:+.1f} MB" for r, mb in sorted(grown.items())))
+          + ", ".join(f"{name} {mb:+.1f} MB" for name, mb in grown.items()))
     if args.max_growth_mb is not None:
-        failures += [f"rank {r} grew {mb:.1f} MB > {args.max_growth_mb} MB" for r, mb in grown.items()
+        failures += [f"{name} grew {mb:.1f} MB > {args.max_growth_mb} MB" for name, mb in grown.items()
                      if mb > args.max_growth_mb]
     for f in failures[:20]:
         print(f"FAIL {f}")

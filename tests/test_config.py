@@ -80,6 +80,20 @@ def test_gpu_topology_files(name: str) -> None:
     assert scheduler.max_num_batched_tokens >= scheduler.max_num_seqs  # a full decode batch fits one step
 
 
+@pytest.mark.parametrize(("name", "tp", "ep", "kv"), [("1xH200-qwen3-30b-a3b-fp8", 1, False, "fp8_e4m3"),
+                                                      ("8xH100-qwen3-235b-a22b-fp8", 8, True, "fp8_e4m3"),
+                                                      ("1xH100-qwen3-8b-awq", 1, False, "auto")])
+def test_quantized_checkpoint_files(name: str, tp: int, ep: bool, kv: str) -> None:
+    config = load_config(CONFIG_DIR / f"{name}.yaml")
+    assert (config.parallel.tensor_parallel_size, config.parallel.expert_parallel, config.cache.kv_cache_dtype) == (
+        tp, ep, kv)
+    assert config.parallel.device == "cuda" and config.model.dtype == "bfloat16" and not config.model.enforce_eager
+    assert config.model.path is None  # the checkpoint is given with --model, as in the other GPU files
+    assert config.model.quantization is None  # a quantized checkpoint's format comes from its quantization_config
+    block = config.cache.block_size
+    assert block is not None and (kv == "fp8_e4m3" or block % 256 == 0)  # fp8: Triton, any size; else flash-attn
+
+
 def test_cpu_file_is_the_default_and_fits_any_rank_count() -> None:
     path = default_config_path()
     assert path is not None and path.resolve() == (CONFIG_DIR / "cpu.yaml").resolve()
@@ -133,6 +147,8 @@ BAD_CONFIGS: list[tuple[str, str, str, list[str]]] = [
     ("gpu-util-high", "gpu_memory_utilization: 1.5", "gpu_memory_utilization=1.5", ["(0, 1]"]),
     ("cpu-kv-zero", "cpu_kv_cache_gib: 0", "cpu_kv_cache_gib=0.0", ["> 0"]),
     ("cpu-kv-inf", "cpu_kv_cache_gib: .inf", "cpu_kv_cache_gib=inf", ["> 0"]),
+    ("kv-dtype-e5m2", "kv_cache_dtype: fp8_e5m2", "kv_cache_dtype='fp8_e5m2'", ["one of auto, fp8_e4m3"]),
+    ("kv-dtype-cache", "cache:\n  kv_cache_dtype: int8", "kv_cache_dtype='int8'", ["one of auto, fp8_e4m3"]),
     ("liveness-zero", "liveness_timeout_s: 0", "liveness_timeout_s=0.0", ["(0, 3600]"]),
     ("liveness-high", "liveness_timeout_s: 3601", "liveness_timeout_s=3601.0", ["(0, 3600]"]),
     ("liveness-nan", "liveness_timeout_s: .nan", "liveness_timeout_s=nan", ["(0, 3600]"]),

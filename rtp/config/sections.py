@@ -73,9 +73,11 @@ class ModelConfig(Section):
     """"auto" (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else float32), "float32", "bfloat16",
     "float16"."""
     quantization: str | None = setting(None, choice("int8", nullable=True))
-    """"int8": int8 weight-only attention and MLP projections, per-output-channel scales computed at load
-    from a float (or FP8/AWQ) checkpoint; for CPU decode, which reads 4x fewer weight bytes than in fp32.
-    None: the checkpoint's own format (a quantized checkpoint's quantization_config is always read)."""
+    """"int8": int8 attention and MLP projections and LM head, per-output-channel scales computed at load
+    from a float (or FP8/AWQ) checkpoint; for CPU decode, which reads 4x fewer weight bytes than in fp32
+    (on CPUs with AVX-512 VNNI the activations are quantized too, per group of 128 inputs, and the
+    products computed in int8). None: the checkpoint's own format (a quantized checkpoint's
+    quantization_config is always read)."""
     max_model_len: int | None = setting(None, integer(1, nullable=True))
     """Longest prompt + completion in tokens, >= 1; None means the model's max_position_embeddings."""
     enforce_eager: bool = setting(False, BOOL)
@@ -155,6 +157,11 @@ class CacheConfig(Section):
     """Fixed number of KV blocks per rank (>= 1), overriding the memory-based sizing."""
     cpu_kv_cache_gib: float = setting(1.0, number("a number > 0", lambda v: v > 0.0))
     """KV cache size per rank on CPU, in GiB, > 0."""
+    kv_cache_dtype: str = setting("auto", choice("auto", "fp8_e4m3"))
+    """"auto": the KV cache in the model's compute dtype; "fp8_e4m3": float8_e4m3fn with per-layer k/v scales
+    (the checkpoint's ``self_attn.k_scale`` / ``v_scale``, else 1.0), one byte per element, so the same memory
+    holds twice the blocks of a bf16 cache. On CUDA it is read by the Triton attention (not flash-attn 2), on
+    CPU by the torch path (not the C++ kernels)."""
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,15 @@ unlinking what it owns; the runtime's handlers do.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import faulthandler
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal, Union
@@ -109,6 +111,28 @@ def kill_hung(failure: Failure) -> None:
     except (ProcessLookupError, PermissionError):
         return
     logger.warning("killed rank %s (pid %d): a stopped process cannot exit on its own", failure.rank, failure.pid)
+
+
+@contextlib.contextmanager
+def exit_deadline(seconds: float, what: str) -> Iterator[None]:
+    """End the process (exit 1, every thread's Python stack to stderr) if ``what`` outlasts ``seconds``.
+
+    For teardowns, which run after the watchdog stopped watching: a shutdown
+    that blocks (a lock, a join, a collective with a peer already gone) must
+    still end, and say where it was. Leaving the block in time disarms it.
+    """
+    def expire() -> None:
+        logger.error("%s did not finish within %.0f s: exiting; Python stacks follow", what, seconds)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _parent_death_noted(signum: int, frame: FrameType | None) -> None:

@@ -51,6 +51,10 @@ def _dtype(value: str) -> str:
     return _DTYPE_ALIASES.get(value, value)
 
 
+def _kv_cache_dtype(value: str) -> str:
+    return "fp8_e4m3" if value == "fp8" else value  # vLLM's "fp8" is e4m3 on CUDA
+
+
 def _json_mapping(value: str) -> dict[str, Any]:
     """A JSON object given on the command line (``--speculative-config '{"method": "ngram", ...}'``)."""
     try:
@@ -82,7 +86,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "float32), float32, bfloat16, float16 (vLLM's half, float, bf16 accepted)",
          metavar="{auto,float32,bfloat16,float16}"),
     Flag("model.quantization", ("--quantization",), str,
-         "int8: int8 weight-only projections, quantized at load (CPU decode); quantized checkpoints need none",
+         "int8: int8 projections and LM head, quantized at load (CPU decode); quantized checkpoints need none",
          ("int8",)),
     Flag("cache.block_size", ("--block-size",), int, "tokens per KV block, a power of two in 1..1024"),
     Flag("scheduler.max_num_seqs", ("--max-num-seqs",), int, "most sequences running at once"),
@@ -95,6 +99,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("cache.num_kv_blocks", ("--num-gpu-blocks-override", "--num-kv-blocks"), int,
          "fixed number of KV blocks per rank instead of the memory-based sizing"),
     Flag("cache.cpu_kv_cache_gib", ("--cpu-kv-cache-gib",), float, "KV cache per rank on CPU, in GiB"),
+    Flag("cache.kv_cache_dtype", ("--kv-cache-dtype",), _kv_cache_dtype,
+         "auto (the model's dtype) or fp8_e4m3 (one byte per element, per-layer scales; vLLM's fp8 accepted)",
+         metavar="{auto,fp8_e4m3}"),
     Flag("model.enforce_eager", ("--enforce-eager",), None, "no CUDA graphs"),
     Flag("model.cuda_graph_max_batch", ("--max-cudagraph-capture-size",), int, "largest decode batch in a CUDA graph"),
     Flag("parallel.shm_chunk_bytes", ("--shm-chunk-bytes",), int, "bytes per chunk of the step-plan ring"),

@@ -1,7 +1,7 @@
 """``python -m rtp.fake_cuda``: trace the CUDA path with fake CUDA tensors, print the table, exit 1 on a failure.
 
-Options: ``--out FILE`` also writes the table (markdown); ``--only dense|moe|moe-fp8|dense-awq`` limits the
-models.
+Options: ``--out FILE`` also writes the table (markdown); ``--only dense|moe|moe-fp8|dense-awq|dense-kv-scales``
+limits the models.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from rtp.fake_cuda.report import default_cases, format_table, make_models, run_c
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rtp.fake_cuda", description=__doc__)
     parser.add_argument("--out", type=Path, help="also write the table to this file")
-    parser.add_argument("--only", choices=("dense", "moe", "moe-fp8", "dense-awq"), help="trace one model only")
+    parser.add_argument("--only", choices=("dense", "moe", "moe-fp8", "dense-awq", "dense-kv-scales"),
+                        help="trace one model only")
     args = parser.parse_args(argv)
     logging.getLogger("rtp").setLevel(logging.WARNING)  # the traced start-ups would log every step
     t0 = time.perf_counter()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from rtp.config import ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
+from rtp.config import CacheConfig, ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.core.step import CachedSeqs, StepPlan
 from rtp.distributed.parallel import ParallelState
 from rtp.fake_cuda.device import FakeCuda, FakeCudaSpec
@@ -51,10 +51,13 @@ class Case:
     backend: str  # attention backend forced on the runner: "triton" or "torch"
     expert_parallel: bool = False
     capability: tuple[int, int] = FakeCudaSpec.capability  # of the pretend GPUs (FP8 products from (8, 9))
+    kv_cache_dtype: str = "auto"  # or "fp8_e4m3"
 
     @property
     def model_label(self) -> str:
         label = f"{self.model} (EP)" if self.expert_parallel else self.model
+        if self.kv_cache_dtype != "auto":
+            label = f"{label}, {self.kv_cache_dtype} KV"
         major, minor = self.capability
         return label if self.capability == FakeCudaSpec.capability else f"{label} (sm{major}{minor})"
 
@@ -181,7 +184,7 @@ class _Stages:
 
 
 def _check_placement(runner: ModelRunner, device: torch.device, dtype: torch.dtype) -> str:
-    """Every parameter on ``device`` in ``dtype``; buffers on ``device``; the KV cache too."""
+    """Every parameter on ``device`` in ``dtype``; buffers on ``device``; the KV cache too, in its own dtype."""
     for name, p in runner.model.named_parameters():
         if p.device != device or (p.is_floating_point() and p.dtype != dtype):
             raise AssertionError(f"parameter {name} is {p.dtype} on {p.device}; expected {dtype} on {device}")
@@ -191,13 +194,16 @@ def _check_placement(runner: ModelRunner, device: torch.device, dtype: torch.dty
             raise AssertionError(f"buffer {name} is on {b.device}; expected {device}")
         if b.is_floating_point() and b.dtype != dtype:
             fp32_buffers.append(name.rsplit(".", 1)[-1])
+    cache_dtype = runner.kv_cache_dtype
     for i, attn in enumerate(runner.model.attention_layers()):
         for cache in (attn.k_cache, attn.v_cache):
-            if cache.device != device or cache.dtype != dtype or cache.shape[0] != runner.num_blocks:
+            if cache.device != device or cache.dtype != cache_dtype or cache.shape[0] != runner.num_blocks:
                 raise AssertionError(f"layer {i}: KV cache {cache.dtype}{list(cache.shape)} on {cache.device}; "
-                                     f"expected {dtype} [{runner.num_blocks}, ...] on {device}")
+                                     f"expected {cache_dtype} [{runner.num_blocks}, ...] on {device}")
     extra = f"; {dtype} params; buffers in another dtype: {sorted(set(fp32_buffers))}" if fp32_buffers else ""
-    return f"{runner.num_blocks} KV blocks of {runner.block_size}{extra}{_packed_note(runner.model)}"
+    kv = f" ({str(cache_dtype).removeprefix('torch.')})" if cache_dtype != dtype else ""
+    return f"{runner.num_blocks} KV blocks of {runner.block_size}{kv}{extra}{_packed_note(runner.model)}"
+
 
 
 def _packed_note(model: torch.nn.Module) -> str:
@@ -295,6 +301,7 @@ def build_runner(ps: ParallelState, model_dir: Path, case: Case) -> ModelRunner:
         model=ModelConfig(dtype="bfloat16", max_model_len=512, enforce_eager=False,
                           cuda_graph_max_batch=GRAPH_MAX_BATCH),
         parallel=ParallelConfig(expert_parallel=case.expert_parallel),
+        cache=CacheConfig(kv_cache_dtype=case.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32),
     )
     return ModelRunner(ps, model_dir, config)
@@ -372,7 +379,7 @@ def run_rank(case: Case, rank: int, model_dir: Path) -> list[StageResult]:
         stack.enter_context(fake.activate())
         ps = stack.enter_context(_world(case.tp, rank))
         torch.cuda.set_device(ps.device)  # as ParallelState.from_env does before creating the NCCL group
-        model_runner.choose_attn_backend = lambda device, dtype: case.backend  # type: ignore[assignment, return-value]
+        model_runner.choose_attn_backend = lambda *args: case.backend  # type: ignore[assignment]
         stack.callback(setattr, model_runner, "choose_attn_backend", saved_choice)
         stack.enter_context(_real_reads())
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from rtp.fake_cuda.dry_run import Case, StageResult, run_rank
-from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec, make_tiny_qwen3
+from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec, add_kv_scales, make_tiny_qwen3
 from rtp.testing_quant import write_awq_checkpoint, write_fp8_checkpoint
 
 BACKENDS = ("triton", "torch")  # every choice that does not need flash-attn installed
@@ -16,11 +16,13 @@ BACKENDS = ("triton", "torch")  # every choice that does not need flash-attn ins
 
 def default_cases() -> list[Case]:
     """Dense and MoE x TP 1 and 2 x each backend, expert-parallel MoE at TP 2, quantized checkpoints at TP 2
-    (FP8 on sm90 GPUs, FP8 products, also expert-parallel, and on sm80 ones, the W8A16 kernels)."""
+    (FP8 on sm90 GPUs, FP8 products, also expert-parallel, and on sm80 ones, the W8A16 kernels), the FP8 KV
+    cache (a checkpoint with k/v scales) at TP 2 on each backend."""
     cases = [Case(model, tp, backend) for model in ("dense", "moe") for tp in (1, 2) for backend in BACKENDS]
     return cases + [Case("moe", 2, "triton", expert_parallel=True), Case("moe-fp8", 2, "triton"),
                     Case("moe-fp8", 2, "triton", expert_parallel=True), Case("moe-fp8", 2, "triton", capability=(8, 0)),
-                    Case("dense-awq", 2, "triton")]
+                    Case("dense-awq", 2, "triton"),
+                    *(Case("dense-kv-scales", 2, backend, kv_cache_dtype="fp8_e4m3") for backend in BACKENDS)]
 
 
 def make_models(root: Path) -> dict[str, Path]:
@@ -28,7 +30,8 @@ def make_models(root: Path) -> dict[str, Path]:
 
     Shapes only matter in a trace, so the models are as small as covers every path: dense Qwen3 with one
     layer; Qwen3-MoE with a dense layer (``mlp_only_layers``) then a sparse one; that MoE in Qwen's FP8
-    block format, and a dense Qwen3 of AWQ-sized projections (inputs a multiple of 128) in AWQ.
+    block format, a dense Qwen3 of AWQ-sized projections (inputs a multiple of 128) in AWQ, and the dense
+    Qwen3 with per-layer FP8 KV-cache scales.
     """
     moe = make_tiny_qwen3(root / "moe", TinyQwen3MoeSpec(mlp_only_layers=(0,)), torch.bfloat16)
     awq_src = make_tiny_qwen3(root / "awq-src", TinyQwen3Spec(hidden_size=128, num_attention_heads=2,
@@ -39,6 +42,8 @@ def make_models(root: Path) -> dict[str, Path]:
         "moe": moe,
         "moe-fp8": write_fp8_checkpoint(moe, root / "moe-fp8"),
         "dense-awq": write_awq_checkpoint(awq_src, root / "dense-awq", root / "awq-ref"),
+        "dense-kv-scales": add_kv_scales(make_tiny_qwen3(root / "dense-kv-scales", TinyQwen3Spec(num_hidden_layers=1),
+                                                         torch.bfloat16), [0.05], [0.02]),
     }
 
 

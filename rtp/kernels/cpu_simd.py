@@ -123,3 +123,26 @@ static inline float exp_shift_sum(float* s, int64_t n, float m) {
   return sum;
 }
 """
+
+AMX_HEADER = r"""
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdint>
+
+namespace rtp_amx {
+// Linux hands a process the AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+static inline bool permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// The 64-byte operand of _tile_loadconfig (palette 1): bytes per row and rows of each of 16 tiles.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+}  // namespace rtp_amx
+"""
+"""Requesting the AMX tile state from Linux, and the tile configuration (prepended to the AMX kernels)."""

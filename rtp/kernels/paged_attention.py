@@ -16,6 +16,10 @@ context lengths, so both can be captured in CUDA graphs.
 
 The torch references below are also the runtime's CPU path (``PagedAttention._torch``).
 
+An FP8 cache (:mod:`rtp.kernels.fp8_kv`) comes with the layer's ``k_scale`` and ``v_scale``: the references
+dequantize the gathered blocks to the queries' dtype; the kernels convert each tile and fold the scales into
+the scores and the output.
+
 :func:`paged_decode_attention` and :func:`paged_prefill_attention` go through the torch custom ops
 ``rtp::paged_decode_attention`` and ``rtp::paged_prefill_attention``: the real implementations launch
 the Triton kernels (the torch references where triton is missing); the fake ones check shapes,
@@ -28,7 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rtp.kernels.op_checks import KernelArgError, check_device, check_dim, check_dtype, check_same_dtype, check_shape
+from rtp.kernels.fp8_kv import check_cache_dtypes, from_cache
+from rtp.kernels.op_checks import KernelArgError, check_device, check_dim, check_dtype, check_shape
 from rtp.kernels.paged_attention_triton import decode_triton, default_num_splits, prefill_triton
 
 try:
@@ -64,6 +69,8 @@ def paged_prefill_attention_reference(
     scale: float,
     block_tables: torch.Tensor | None = None,
     skip: set[int] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention, one sequence at a time (torch reference for every case).
 
@@ -72,6 +79,7 @@ def paged_prefill_attention_reference(
     are its first ``k_lens[i]`` cached positions. Without (no cache: the profiling run), ``k``/``v``
     are the step's own ``[T, Hkv, D]`` keys and values, laid out like ``q``. Returns ``[T, Hq, D]``;
     the rows of sequences in ``skip`` are left unset (the caller computes them another way).
+    An FP8 cache is dequantized with ``k_scale`` / ``v_scale`` as it is gathered.
     """
     rep = q.shape[1] // k.shape[-2]
     out = q.new_empty(q.shape)  # contiguous [*, Hq, D]
@@ -82,7 +90,8 @@ def paged_prefill_attention_reference(
             continue
         qi = q[start : start + q_len]  # [q_len, Hq, D]
         if block_tables is not None:
-            ki, vi = _gather(k, block_tables[i], k_len), _gather(v, block_tables[i], k_len)  # [k_len, Hkv, D]
+            ki = from_cache(_gather(k, block_tables[i], k_len), q.dtype, k_scale)  # [k_len, Hkv, D]
+            vi = from_cache(_gather(v, block_tables[i], k_len), q.dtype, v_scale)
         else:
             ki, vi = k[start : start + q_len], v[start : start + q_len]
         mask = None
@@ -112,17 +121,20 @@ def paged_decode_attention_reference(
     context_lens: torch.Tensor,
     max_seqlen_k: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence (torch reference): gather every sequence's blocks at once, mask by length.
 
-    ``q``: ``[B, Hq, D]``; ``max_seqlen_k`` bounds the blocks gathered. Returns ``[B, Hq, D]``.
+    ``q``: ``[B, Hq, D]``; ``max_seqlen_k`` bounds the blocks gathered. Returns ``[B, Hq, D]``. An FP8
+    cache is dequantized with ``k_scale`` / ``v_scale`` once gathered.
     """
     rep = q.shape[1] // k_cache.shape[2]
     n_blocks = -(-max_seqlen_k // k_cache.shape[1])
     b = q.shape[0]
     table = block_tables[:, :n_blocks].long().clamp_min(0).flatten()  # [B * n_blocks]; padding masked below
-    k = k_cache.index_select(0, table).view(b, -1, *k_cache.shape[2:])  # [B, L, Hkv, D]
-    v = v_cache.index_select(0, table).view(b, -1, *v_cache.shape[2:])
+    k = from_cache(k_cache.index_select(0, table).view(b, -1, *k_cache.shape[2:]), q.dtype, k_scale)  # [B, L, Hkv, D]
+    v = from_cache(v_cache.index_select(0, table).view(b, -1, *v_cache.shape[2:]), q.dtype, v_scale)
     pos = torch.arange(k.shape[1], device=q.device)
     mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)).unsqueeze(1).unsqueeze(1)  # [B, 1, 1, L]
     o = F.scaled_dot_product_attention(
@@ -144,10 +156,13 @@ def check_paged_attention_args(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Raise :class:`~rtp.kernels.op_checks.KernelArgError` unless the arguments of a paged-attention op fit.
 
     Decode (``cu_seqlens_q`` None): ``q [B, Hq, D]``. Prefill: ``q [T, Hq, D]`` and ``cu_seqlens_q [B + 1]``.
+    The caches share ``q``'s dtype, or are FP8 with both scales.
     """
     check_dim(op, "q", q, 3, "[T, Hq, D]")
     check_dim(op, "k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]")
@@ -166,7 +181,7 @@ def check_paged_attention_args(
         check_shape(op, "cu_seqlens_q", cu_seqlens_q, (batch + 1,), "[B + 1]")
         index["cu_seqlens_q"] = cu_seqlens_q
     check_device(op, q=q, k_cache=k_cache, v_cache=v_cache, **index)
-    check_same_dtype(op, k_cache=k_cache, q=q, v_cache=v_cache)
+    check_cache_dtypes(op, "q", q, k_cache, v_cache, k_scale, v_scale)
     check_dtype(op, (torch.int32,), **index)
 
 
@@ -180,13 +195,17 @@ def _decode_op(
     scale: float,
     num_splits: int,
     block_n: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    check_paged_attention_args("rtp::paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens)
+    op = "rtp::paged_decode_attention"
+    check_paged_attention_args(op, q, k_cache, v_cache, block_tables, context_lens, None, k_scale, v_scale)
     if triton is None:  # every block of the table is gathered; positions past a context are masked
         max_len = block_tables.shape[1] * k_cache.shape[1]
-        out = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, max_len, scale)
+        out = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, max_len, scale,
+                                               k_scale, v_scale)
         return out.contiguous()
-    return decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, block_n)
+    return decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, block_n, k_scale, v_scale)
 
 
 @_decode_op.register_fake
@@ -199,8 +218,11 @@ def _decode_fake(
     scale: float,
     num_splits: int,
     block_n: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    check_paged_attention_args("rtp::paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens)
+    check_paged_attention_args("rtp::paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens, None,
+                               k_scale, v_scale)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise KernelArgError(f"rtp::paged_decode_attention: num_splits={num_splits} must be a power of two")
     return q.new_empty(q.shape)  # contiguous [B, Hq, D]
@@ -216,18 +238,20 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     block_n: int = 32,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention, one query per sequence: ``q [B, Hq, D]`` -> ``[B, Hq, D]`` (Triton).
 
     ``context_lens [B]`` counts each sequence's keys, the current token's included. ``num_splits``
     (a power of two) splits each context into that many parts, merged by a second kernel
     (flash-decoding); by default it is chosen from the batch shape and the GPU's SM count.
-    Runs as the ``rtp::paged_decode_attention`` op.
+    An FP8 cache needs the layer's ``k_scale`` and ``v_scale``. Runs as the ``rtp::paged_decode_attention`` op.
     """
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], k_cache.shape[2], q.device) if triton is not None else 1
     return torch.ops.rtp.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, float(scale), num_splits, block_n
+        q, k_cache, v_cache, block_tables, context_lens, float(scale), num_splits, block_n, k_scale, v_scale
     )
 
 
@@ -242,13 +266,17 @@ def _prefill_op(
     scale: float,
     block_m: int,
     block_n: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     op = "rtp::paged_prefill_attention"
-    check_paged_attention_args(op, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
+    check_paged_attention_args(op, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, k_scale, v_scale)
     if triton is None:  # the reference needs the lengths on the host (a sync: this path is never captured)
         q_lens, k_lens = cu_seqlens_q.diff().tolist(), context_lens.tolist()
-        return paged_prefill_attention_reference(q, k_cache, v_cache, q_lens, k_lens, scale, block_tables)
-    return prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, block_m, block_n)
+        return paged_prefill_attention_reference(q, k_cache, v_cache, q_lens, k_lens, scale, block_tables, None,
+                                                 k_scale, v_scale)
+    return prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, block_m, block_n,
+                          k_scale, v_scale)
 
 
 @_prefill_op.register_fake
@@ -262,9 +290,11 @@ def _prefill_fake(
     scale: float,
     block_m: int,
     block_n: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     op = "rtp::paged_prefill_attention"
-    check_paged_attention_args(op, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
+    check_paged_attention_args(op, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, k_scale, v_scale)
     return q.new_empty(q.shape)  # contiguous [T, Hq, D]
 
 
@@ -279,14 +309,17 @@ def paged_prefill_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention over the paged cache: ``q [T, Hq, D]`` -> ``[T, Hq, D]`` (Triton).
 
     Sequence i's queries are rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of ``q``, the last of its
     ``context_lens[i]`` keys; decode rows (one query) and prefill chunks may share a batch.
     ``block_m`` x ``block_n`` is the (queries x keys) tile: 64 x 64 by default, 32 x 32 past head_dim 128.
-    Runs as the ``rtp::paged_prefill_attention`` op.
+    An FP8 cache needs the layer's ``k_scale`` and ``v_scale``. Runs as the ``rtp::paged_prefill_attention`` op.
     """
     return torch.ops.rtp.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, float(scale), block_m or 0, block_n or 0
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, float(scale), block_m or 0, block_n or 0,
+        k_scale, v_scale,
     )

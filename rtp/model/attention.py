@@ -14,6 +14,10 @@ contributes ``q_lens[i]`` query tokens at the end of its ``k_lens[i]`` keys
 prefill chunks, or earlier decode steps). Every backend covers every case:
 mixed prefill/decode, chunked prefill, cached prefixes. Without a cache (the
 profiling run) the triton backend takes the torch path.
+
+An FP8 KV cache (``kv_cache_dtype: fp8_e4m3``, :mod:`rtp.kernels.fp8_kv`) is read by the triton and
+torch backends only: flash-attn 2 and the C++ CPU kernels read caches in the compute dtype, so
+:func:`choose_attn_backend` routes an FP8 cache to Triton on CUDA and to the torch path on CPU.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from rtp.errors import CheckpointError
 from rtp.kernels import cpu_attention
+from rtp.kernels.fp8_kv import FP8_KV_DTYPE, is_fp8
 from rtp.kernels.kv_store import store_kv
 from rtp.kernels.paged_attention import (
     paged_decode_attention,
@@ -33,6 +39,7 @@ from rtp.kernels.paged_attention import (
     paged_prefill_attention_reference,
     triton_available,
 )
+from rtp.log import get_logger
 
 try:  # optional extra "gpu"
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -43,6 +50,8 @@ except ImportError:
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 AttnBackend = Literal["flash", "triton", "cpu", "torch"]
+
+logger = get_logger(__name__)
 
 
 def flash_attn_available() -> bool:
@@ -60,14 +69,25 @@ def use_flash_attn(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def choose_attn_backend(device: torch.device, dtype: torch.dtype) -> AttnBackend:
-    """flash-attn where usable, else the Triton kernels on CUDA, else the torch path."""
+def choose_attn_backend(device: torch.device, dtype: torch.dtype,
+                        cache_dtype: torch.dtype | None = None) -> AttnBackend:
+    """flash-attn where usable, else the Triton kernels on CUDA, else the torch path.
+
+    ``cache_dtype`` (default: ``dtype``): an FP8 cache skips flash-attn and the C++ CPU kernels (see the
+    module docstring).
+    """
+    fp8 = cache_dtype == FP8_KV_DTYPE
     if use_flash_attn(device, dtype):
-        return "flash"
+        if not fp8:
+            return "flash"
+        logger.info("fp8 KV cache: flash-attn 2 reads %s caches only; using the Triton paged attention", dtype)
     if device.type == "cuda" and triton_available():
         return "triton"
     if device.type == "cpu" and cpu_attention.load() is not None:
-        return "cpu"
+        if not fp8:
+            return "cpu"
+        logger.info("fp8 KV cache: the C++ CPU attention kernels read fp32/bf16/fp16 caches only; using the "
+                    "torch path (it dequantizes the gathered blocks)")
     return "torch"
 
 
@@ -90,6 +110,13 @@ class AttnMetadata:
         return self.max_seqlen_q == 1
 
 
+def load_kv_scale(scale: torch.Tensor, source, shard_id: object = None) -> None:  # noqa: ANN001
+    """Loader of a KV scale: one float, stored as ``[]`` or ``[1]`` in any float dtype, the same on every rank."""
+    if source.get_dtype() not in ("F32", "BF16", "F16", "F64"):
+        raise CheckpointError(f"a KV scale must be a float, not {source.get_dtype()}")
+    scale.data.copy_(source[...])  # [] or [1] -> the buffer's [1], converted to float32
+
+
 class PagedAttention(nn.Module):
     """Causal attention over this rank's heads, reading keys/values from the paged cache."""
 
@@ -99,13 +126,25 @@ class PagedAttention(nn.Module):
         # Bound by the KV-cache allocator: [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # Per-tensor scales of an FP8 cache (stored = x / scale): the checkpoint's self_attn.k_scale / v_scale,
+        # else 1.0. Read only when the cache is FP8.
+        self.k_scale: torch.Tensor
+        self.v_scale: torch.Tensor
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32))
+        for buf in (self.k_scale, self.v_scale):
+            buf.weight_loader = load_kv_scale
         self.backend: AttnBackend = "torch"  # set by the runner, from choose_attn_backend(), for every layer
+
+    def cache_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) for the kernels: the layer's scales with an FP8 cache, else (None, None)."""
+        return (self.k_scale, self.v_scale) if is_fp8(self.k_cache) else (None, None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
         tables = meta.block_tables if self.k_cache.numel() > 0 else None  # None: no cache (profiling run)
         if tables is not None:
-            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, *self.cache_scales())
         if self.backend == "flash":
             return self._flash(q, k, v, meta, tables is not None)
         if self.backend == "triton" and tables is not None:
@@ -135,10 +174,13 @@ class PagedAttention(nn.Module):
 
     def _triton(self, q: torch.Tensor, meta: AttnMetadata, tables: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D] -> [T, Hq, D]; reads only device tensors (no host sync: graph-capturable decode)
+        k_scale, v_scale = self.cache_scales()
         if meta.decode_only:
-            return paged_decode_attention(q, self.k_cache, self.v_cache, tables, meta.context_lens, self.scale)
+            return paged_decode_attention(q, self.k_cache, self.v_cache, tables, meta.context_lens, self.scale,
+                                          k_scale=k_scale, v_scale=v_scale)
         return paged_prefill_attention(
-            q, self.k_cache, self.v_cache, tables, meta.cu_seqlens_q, meta.context_lens, self.scale
+            q, self.k_cache, self.v_cache, tables, meta.cu_seqlens_q, meta.context_lens, self.scale,
+            k_scale=k_scale, v_scale=v_scale,
         )
 
     def _cpu(
@@ -156,13 +198,16 @@ class PagedAttention(nn.Module):
     def _torch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, tables: torch.Tensor | None
     ) -> torch.Tensor:
-        if tables is None or list(meta.q_lens) == list(meta.k_lens):
-            # Every sequence is a whole prompt: this step's own k/v [T, Hkv, D] hold all its keys.
+        k_scale, v_scale = self.cache_scales()
+        if tables is None or (k_scale is None and list(meta.q_lens) == list(meta.k_lens)):
+            # No cache, or every sequence is a whole prompt: this step's own k/v [T, Hkv, D] hold all its keys
+            # (and equal what the cache holds, unless it is FP8: then attention reads the cache, as the kernels do).
             return paged_prefill_attention_reference(q, k, v, meta.q_lens, meta.q_lens, self.scale)
         if meta.decode_only:
             return paged_decode_attention_reference(
-                q, self.k_cache, self.v_cache, tables, meta.context_lens, meta.max_seqlen_k, self.scale
+                q, self.k_cache, self.v_cache, tables, meta.context_lens, meta.max_seqlen_k, self.scale,
+                k_scale, v_scale,
             )
         return paged_prefill_attention_reference(
-            q, self.k_cache, self.v_cache, meta.q_lens, meta.k_lens, self.scale, tables
+            q, self.k_cache, self.v_cache, meta.q_lens, meta.k_lens, self.scale, tables, None, k_scale, v_scale
         )

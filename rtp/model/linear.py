@@ -224,7 +224,8 @@ class LinearBase(nn.Module):
     int8_weight: torch.Tensor | None = None  # [out, in] int8 and [out] scales: rtp.model.quant.int8
     int8_scale: torch.Tensor | None = None
     int8_kernel: bool = False  # whether torch's int8 matmul computes this layer's product
-    int8_panels: torch.Tensor | None = None  # the int8 weight as rtp GEMM panels (fp32 on CPU)
+    int8_panels: torch.Tensor | None = None  # the int8 weight packed for a CPU kernel
+    int8_vnni: bool = False  # whether int8_panels are rtp.kernels.cpu_int8_gemm's (else rtp.kernels.cpu_gemm's)
     quant_packed: object | None = None  # a quantized checkpoint's packed weights on CUDA (rtp.model.quant.base)
     full_shapes: dict[object, tuple[int, int]] = {}  # replaced per instance, never mutated
 

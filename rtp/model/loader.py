@@ -39,6 +39,7 @@ class LoadReport:
     bytes_read: int = 0  # bytes of the slices this rank copied out of the files
     checkpoint_bytes: int = 0  # bytes of every tensor in the files (what the progress bar counts)
     seconds: float = 0.0
+    kv_scales: int = 0  # optional tensors found: the FP8 KV cache's per-layer k_scale / v_scale
 
 
 # A smaller checkpoint loads too fast for a progress bar to be worth its lines.
@@ -78,13 +79,17 @@ def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progres
     """Copy this rank's slice of every checkpoint tensor into ``model``.
 
     A missing tensor, an unexpected one, or one of the wrong full shape raises
-    :class:`CheckpointError` naming it. ``show_progress`` (rank 0) draws a bar of
+    :class:`CheckpointError` naming it. The model's optional tensors (the FP8 KV cache's scales) are
+    loaded where the checkpoint has them and keep their defaults otherwise. ``show_progress`` (rank 0) draws a bar of
     the checkpoint's bytes on stderr; ``on_progress(n)`` is called with each
     tensor's bytes as it is done (skipped ones included), summing to the checkpoint's size.
     """
     model_dir = Path(model_dir)
-    params = dict(model.named_parameters())
-    expected = model.checkpoint_shapes()
+    # Parameters, and the buffers a checkpoint may set (the KV scales).
+    params: dict[str, torch.Tensor] = dict(model.named_parameters()) | dict(model.named_buffers())
+    required = model.checkpoint_shapes()
+    optional = model.optional_checkpoint_shapes()
+    expected = required | optional
     seen: set[str] = set()
     report = LoadReport()
     files = checkpoint_files(model_dir)
@@ -98,7 +103,8 @@ def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progres
         for path in files:
             _load_file(model, path, sizes[path], params, expected, seen, report, bar, on_progress)
     report.seconds = time.perf_counter() - start
-    missing = sorted(set(expected) - seen)
+    report.kv_scales = len(seen & optional.keys())
+    missing = sorted(set(required) - seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
@@ -109,7 +115,7 @@ def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progres
     return report
 
 
-def _load_file(model: Qwen3ForCausalLM, path: Path, sizes: dict[str, int], params: dict[str, torch.nn.Parameter],
+def _load_file(model: Qwen3ForCausalLM, path: Path, sizes: dict[str, int], params: dict[str, torch.Tensor],
                expected: dict[str, list[int]], seen: set[str], report: LoadReport, bar: tqdm,
                on_progress: Callable[[int], None] | None) -> None:
     """Load this rank's slices of one file's tensors (see :func:`load_weights`)."""
@@ -127,20 +133,20 @@ def _load_file(model: Qwen3ForCausalLM, path: Path, sizes: dict[str, int], param
                 on_progress(done)
 
 
-def _load_tensor(model: Qwen3ForCausalLM, f: Any, path: Path, name: str, params: dict[str, torch.nn.Parameter],
+def _load_tensor(model: Qwen3ForCausalLM, f: Any, path: Path, name: str, params: dict[str, torch.Tensor],
                  expected: dict[str, list[int]], seen: set[str], report: LoadReport) -> None:
     """Check one tensor's name and full shape, then copy this rank's slice of it into its parameter."""
     if name not in expected:
         raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: not part of a Qwen3 model")
     source = f.get_slice(name)
-    if list(source.get_shape()) != expected[name]:
+    if not _shape_fits(list(source.get_shape()), expected[name]):
         raise CheckpointError(
             f"tensor {name!r} in {path.name} has shape {list(source.get_shape())}, "
             f"expected {expected[name]}"
         )
     param_name, shard = model.param_for(name)
     param = params[param_name]
-    loader = getattr(param, "weight_loader", load_full)
+    loader: Callable[..., None] = getattr(param, "weight_loader", load_full)
     counted = _CountingSource(source)
     try:
         loader(param, counted, shard)
@@ -149,6 +155,11 @@ def _load_tensor(model: Qwen3ForCausalLM, f: Any, path: Path, name: str, params:
     report.tensors += 1
     report.bytes_read += counted.bytes_read
     seen.add(name)
+
+
+def _shape_fits(shape: list[int], expected: list[int]) -> bool:
+    """The checkpoint's shape is the expected one; a scalar may also be stored as ``[1]`` (FP8 checkpoints do both)."""
+    return shape == expected or (expected == [] and shape == [1])
 
 
 class _CountingSource:

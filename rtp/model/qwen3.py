@@ -296,6 +296,12 @@ class Qwen3ForCausalLM(nn.Module):
                 shapes |= module.checkpoint_tensors(prefixes)
         return shapes
 
+    def optional_checkpoint_shapes(self) -> dict[str, list[int]]:
+        """Tensors a checkpoint may hold, each keeping its default where it does not: the FP8 KV cache's
+        per-layer scales ``self_attn.k_scale`` / ``v_scale`` (one float each; 1.0 by default), the names FP8
+        checkpoints (vLLM's, llm-compressor's) use."""
+        return {f"model.layers.{i}.self_attn.{n}": [] for i in self.model.layer_range for n in ("k_scale", "v_scale")}
+
     def process_weights_after_loading(self) -> None:
         """Once every tensor is loaded: dequantize the projections of a quantized checkpoint (else nothing)."""
         for module in self.modules():
@@ -306,6 +312,8 @@ class Qwen3ForCausalLM(nn.Module):
 
     def param_for(self, name: str) -> tuple[str, object]:
         """Map a checkpoint tensor name to (parameter name, shard id)."""
+        if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):  # the scales live on the attention core
+            return name.replace(".self_attn.", ".self_attn.attn."), None
         for frag, (target, shard) in self.stacked.items():
             if f".{frag}." in name:
                 return name.replace(f".{frag}.", f".{target}."), shard

@@ -12,7 +12,10 @@ logger = get_logger(__name__)
 
 
 def bytes_per_block(layers: list[PagedAttention], block_size: int, dtype: torch.dtype) -> int:
-    """KV bytes one block costs on this rank, over every layer (K and V)."""
+    """KV bytes one block costs on this rank, over every layer (K and V), in the cache's ``dtype``.
+
+    An FP8 cache costs one byte per element: the same budget holds twice the blocks of a bf16 cache.
+    """
     elem = torch.tensor([], dtype=dtype).element_size()
     return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in layers)
 
@@ -55,7 +58,8 @@ def plan_num_blocks(
 def allocate_kv_cache(
     layers: list[PagedAttention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Give each attention layer its cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V."""
+    """Give each attention layer its cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V,
+    in ``dtype`` (the compute dtype, or ``float8_e4m3fn`` read with the layer's scales)."""
     for attn in layers:
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
         attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)

@@ -21,6 +21,7 @@ from rtp.distributed.parallel import ParallelState
 from rtp.distributed.pipeline import StageLink, stage_layers
 from rtp.errors import ConfigError
 from rtp.kernels.cpu_features import native_bf16
+from rtp.kernels.fp8_kv import kv_cache_dtype
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend
 from rtp.model.linear import cpu_linear_method, pack_linear_weights
@@ -134,7 +135,7 @@ def load_model(
     ``expert_parallel`` (MoE only): whole experts per rank instead of a slice of every expert.
     A quantized checkpoint (``quantization_config``: FP8 blocks, AWQ) is dequantized to ``dtype`` at load
     on CPU and kept packed for its Triton GEMMs on CUDA;
-    ``quantization="int8"`` then makes the attention and MLP projections int8 weight-only.
+    ``quantization="int8"`` then makes the attention and MLP projections and the LM head int8.
     """
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     is_moe = getattr(hf_config, "model_type", None) == "qwen3_moe"
@@ -156,7 +157,7 @@ def load_model(
         how = "kept packed for its GPU kernels" if quant.packs_on(ps.device) else f"dequantized to {dtype} at load"
         logger.info("the %s checkpoint's projections: %s", quant.name, how)
     if quantization == "int8":
-        logger.info("int8 weight-only: %d projections quantized per output channel", quantize_int8(model))
+        logger.info("int8: %d layers quantized per output channel", quantize_int8(model))
     method = cpu_linear_method(ps.device, dtype)
     if method is not None:
         n = pack_linear_weights(model, method)  # the layers still plain (all, or the LM head and routers)
@@ -177,7 +178,14 @@ class ModelRunner:
         self.ps = ps
         self.max_num_seqs = max_num_seqs
         self.dtype = resolve_dtype(model_config.dtype, ps.device)
-        self.attn_backend = choose_attn_backend(ps.device, self.dtype)  # "flash", "triton", "cpu" or "torch"
+        self.kv_cache_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.dtype)  # the compute dtype, or fp8
+        if self.kv_cache_dtype != self.dtype and ps.device.type == "cuda":
+            cap = torch.cuda.get_device_capability(ps.device)
+            if cap < (8, 9):  # Triton's e4m3 (fp8e4nv) needs Ada or Hopper
+                raise ConfigError(f"kv_cache_dtype={cache.kv_cache_dtype} needs a GPU of compute capability 8.9 or "
+                                  f"newer (Ada, Hopper); this one is {cap[0]}.{cap[1]}: use kv_cache_dtype=auto")
+        # "flash", "triton", "cpu" or "torch" (an fp8 cache: "triton" on CUDA, "torch" on CPU)
+        self.attn_backend = choose_attn_backend(ps.device, self.dtype, self.kv_cache_dtype)
         block_size = cache.block_size or (256 if self.attn_backend == "flash" else 16)
         if self.attn_backend == "flash" and block_size % 256:
             raise ConfigError(f"block_size={block_size} is invalid with flash-attn: paged KV needs a multiple of 256")
@@ -196,12 +204,17 @@ class ModelRunner:
         peak = 0
         if ps.device.type == "cuda" and cache.num_kv_blocks is None:
             peak = self._profile_peak(config.scheduler.max_num_batched_tokens)
-        per_block = bytes_per_block(layers, block_size, self.dtype)
+        per_block = bytes_per_block(layers, block_size, self.kv_cache_dtype)
+        if self.kv_cache_dtype != self.dtype:
+            found = self.load_report.kv_scales
+            logger.info("KV cache in %s: %s", cache.kv_cache_dtype,
+                        f"per-layer k/v scales from the checkpoint ({found} tensors)" if found
+                        else "k/v scales 1.0 (the checkpoint has none)")
         self.num_blocks = plan_num_blocks(
             ps, per_block, fixed=cache.num_kv_blocks, cpu_cache_gib=cache.cpu_kv_cache_gib,
             gpu_memory_utilization=cache.gpu_memory_utilization, peak_bytes=peak,
         )
-        allocate_kv_cache(layers, self.num_blocks, block_size, self.dtype, ps.device)
+        allocate_kv_cache(layers, self.num_blocks, block_size, self.kv_cache_dtype, ps.device)
         self.mirror = BatchMirror(block_size)
         # Pipeline stages: hidden states to and from the neighbouring stages, and the last stage's
         # outputs to rank 0 (None without pipeline parallelism).

@@ -19,7 +19,7 @@ from typing import Any
 from rtp.config import RtpConfig
 from rtp.core.step import StepKind, StepPlan, encode
 from rtp.distributed.heartbeat import Heartbeat
-from rtp.distributed.liveness import Failure, Watchdog, kill_hung
+from rtp.distributed.liveness import Failure, Watchdog, exit_deadline, kill_hung
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.shm_channel import ShmChannel
 from rtp.distributed.step_relay import StepRelay
@@ -166,6 +166,11 @@ class StepTransport:
         if self.closed:
             return
         self.closed = True
+        # The watchdog stops watching here: a teardown that blocks must still end the process.
+        with exit_deadline(max(60.0, 2 * self.heartbeat.timeout_s), "rank 0's teardown"):
+            self._close()
+
+    def _close(self) -> None:
         self.watchdog.stop()
         for signum, handler in self._old_handlers.items():
             signal.signal(signum, handler)

@@ -38,6 +38,7 @@ exits 1, and rank 0 then exits 1 too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -47,6 +48,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from rtp.distributed.liveness import exit_deadline
 from rtp.errors import RequestError, WorkerDiedError
 from rtp.log import get_logger
 from rtp.outputs import RequestOutput
@@ -65,6 +67,7 @@ _READY_TIMEOUT_S = 300.0  # a frontend imports torch and transformers and loads 
 _STATS_EVERY_S = 0.5  # frontends without outputs still get the engine's stats this often (their /metrics)
 _FAIL_WAIT_S = 3.0  # after a failure, frontends get this long to answer their clients and exit
 _CANCEL_MARGIN_S = 5.0
+_STOP_MARGIN_S = 30.0  # beyond the waits a stop is allowed: then the process exits 1 with its stacks logged
 
 
 class EngineLoop:
@@ -84,6 +87,8 @@ class EngineLoop:
         self.failure: str | None = None
         self.stopping = False
         self._signals = 0
+        self._signals_in: list[int] = []  # noted by the signal handler, taken by the loop
+        self._stop_bound = contextlib.ExitStack()  # from a stop's start: its exit deadline
         self._stop_deadline = float("inf")
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -139,12 +144,14 @@ class EngineLoop:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
             self._wake_r.close()
             self._wake_w.close()
+            self._stop_bound.close()
 
     def _accept_frontends(self, hello: dict[str, Any]) -> None:
         """Another replica: accept the ``count`` frontends' connections (rank 0 started them), HELLO to each."""
         assert self.accept_on is not None
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while len(self.links) < self.count:
+            self._take_signals()
             if self.stopping or self.failure is not None:
                 return
             if time.monotonic() > deadline:
@@ -235,6 +242,7 @@ class EngineLoop:
                     link.ready = True
         if any(link.pending.errors for link in self.links):  # refused now: answer without waiting for a step
             self._flush_errors()
+        self._take_signals()
 
     def _add(self, link: FrontendLink, req: EngineRequest) -> None:
         link.live[req.handle] = req.request_id
@@ -367,7 +375,10 @@ class EngineLoop:
         if self.stopping:
             return
         self.stopping = True
-        self._stop_deadline = time.monotonic() + (_FAIL_WAIT_S if fail else self.grace_s + _CANCEL_MARGIN_S)
+        wait = _FAIL_WAIT_S if fail else self.grace_s + _CANCEL_MARGIN_S
+        self._stop_deadline = time.monotonic() + wait
+        # The loop waits ``wait``, then the frontends get as long again to exit before they are killed.
+        self._stop_bound.enter_context(exit_deadline(2 * wait + _STOP_MARGIN_S, "the server's stop"))
         data = frame(Kind.FAIL, fail.encode()) if fail else frame(Kind.SHUTDOWN)
         for link in self.links:
             link.send(data)
@@ -383,15 +394,23 @@ class EngineLoop:
         self._wake()
 
     def _on_signal(self, signum: int, frame_: Any) -> None:  # noqa: ANN401
-        self._signals += 1
-        if self._signals > 1:
-            logger.info("%s again: stopping now", signal.Signals(signum).name)
-            self._stop_deadline = 0.0
-        else:
-            logger.info("received %s: running requests have %.0f s to finish", signal.Signals(signum).name,
-                        self.grace_s)
-        self._begin_stop()
+        # Runs on the main thread between two bytecodes, possibly inside ``link.send`` holding the
+        # link's lock: sending SHUTDOWN from here deadlocked the server. Only note it; the loop acts.
+        self._signals_in.append(signum)
         self._wake()
+
+    def _take_signals(self) -> None:
+        """Act on the signals the handler noted: the first stops gracefully, a second at once."""
+        while self._signals_in:
+            signum = self._signals_in.pop(0)
+            self._signals += 1
+            if self._signals > 1:
+                logger.info("%s again: stopping now", signal.Signals(signum).name)
+                self._stop_deadline = 0.0
+            else:
+                logger.info("received %s: running requests have %.0f s to finish", signal.Signals(signum).name,
+                            self.grace_s)
+            self._begin_stop()
 
     def _wake(self) -> None:
         try:

@@ -240,3 +240,27 @@ def test_an_orphaned_rank_exits_through_its_watchdog(tmp_path, extra_signals):
         assert time.monotonic() - t0 < 5, "the orphaned rank did not notice its launcher's death"
         time.sleep(0.05)
     assert f"lost its launcher: the torchrun agent (pid {launcher.pid}) is gone" in out.read_text()
+
+
+def test_exit_deadline_ends_a_blocked_teardown_with_its_stacks_and_passes_a_quick_one():
+    code = (
+        "import threading, time\n"
+        "from rtp.distributed.liveness import exit_deadline\n"
+        "with exit_deadline(2.0, 'quick'):\n"
+        "    pass\n"
+        "time.sleep(2.5)  # that deadline was disarmed: still alive here\n"
+        "print('after quick', flush=True)\n"
+        "def stuck_teardown():\n"
+        "    lock = threading.Lock()\n"
+        "    lock.acquire()\n"
+        "    lock.acquire()\n"
+        "with exit_deadline(1.0, 'the test teardown'):\n"
+        "    stuck_teardown()\n"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "after quick" in proc.stdout
+    assert "the test teardown did not finish within 1 s" in proc.stderr, proc.stderr
+    assert "in stuck_teardown" in proc.stderr, proc.stderr  # the main thread's stack, where it blocked
+    assert time.monotonic() - t0 < 30

@@ -39,6 +39,12 @@ def test_flags_override_the_yaml(tmp_path):
     assert config_of(["--config", str(cfg)]).scheduler.max_num_seqs == 8
 
 
+def test_kv_cache_dtype_flag_takes_vllm_spellings():
+    assert config_of([]).cache.kv_cache_dtype == "auto"
+    assert config_of(["--kv-cache-dtype", "fp8_e4m3"]).cache.kv_cache_dtype == "fp8_e4m3"
+    assert config_of(["--kv-cache-dtype", "fp8"]).cache.kv_cache_dtype == "fp8_e4m3"  # vLLM's alias of e4m3
+
+
 def test_api_server_count_and_its_alias():
     assert config_of([]).server.api_processes is None  # chosen by the core count at start
     assert config_of(["--api-server-count", "2"]).server.api_processes == 2
@@ -60,6 +66,7 @@ def test_positional_model_and_model_flag():
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 is invalid"),
     (["--port", "70000"], "--port=70000 is invalid"),
     (["--api-server-count", "65"], "--api-server-count=65 is invalid"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype=fp8_e5m2 is invalid: expected one of auto, fp8_e4m3"),
 ])
 def test_bad_values_name_the_flag(argv, words):
     with pytest.raises(ConfigError, match="^" + words.replace(".", r"\.").replace("(", r"\(")):

@@ -27,7 +27,10 @@ def test_every_case_and_stage_passes(models):
     assert not failed, "\n".join(failed)
     seen = {(r.case.model, r.case.tp, r.case.backend) for r in rows}
     assert seen == {(m, tp, b) for m in ("dense", "moe") for tp in (1, 2) for b in ("triton", "torch")} | {
-        ("moe-fp8", 2, "triton"), ("dense-awq", 2, "triton")}
+        ("moe-fp8", 2, "triton"), ("dense-awq", 2, "triton"), ("dense-kv-scales", 2, "triton"),
+        ("dense-kv-scales", 2, "torch")}
+    fp8_start = [r for r in rows if r.case.kv_cache_dtype == "fp8_e4m3" and r.stage == STAGES[0]]
+    assert len(fp8_start) == 2 and all("(float8_e4m3fn)" in r.note for r in fp8_start), fp8_start
     for r in rows:
         # Graph stages run where graphs exist (triton); the torch backend decodes eagerly.
         if r.stage == "CUDA-graph capture":
@@ -37,7 +40,7 @@ def test_every_case_and_stage_passes(models):
     assert {r.stage for r in rows} == set(STAGES)
     # Quantized checkpoints run packed: FP8 products on the sm90 GPUs, the W8A16 kernels on sm80 ones, AWQ int4.
     packed = {r.case.model_label: {part.split(" x ", 1)[1] for part in r.note.split("; ") if " x " in part}
-              for r in rows if r.stage == STAGES[0] and "-" in r.case.model}
+              for r in rows if r.stage == STAGES[0] and r.case.model in ("moe-fp8", "dense-awq")}
     assert packed == {"moe-fp8": {"Fp8Experts (w8a8)", "Fp8Packed (w8a8)"},
                       "moe-fp8 (EP)": {"Fp8Experts (w8a8)", "Fp8Packed (w8a8)"},
                       "moe-fp8 (sm80)": {"Fp8Experts", "Fp8Packed"}, "dense-awq": {"AwqPacked"}}, packed

@@ -29,3 +29,39 @@ def test_metrics_dirs_of_dead_runs_are_removed_and_live_ones_kept():
                 f.unlink()
             if d.exists():
                 d.rmdir()
+
+
+def test_a_signal_during_a_send_to_a_frontend_stops_the_loop_without_deadlock():
+    """SIGTERM can arrive while the loop is inside ``link.send`` holding the link's lock: the handler only
+    notes it (sending SHUTDOWN from the handler deadlocked the server), the loop then sends SHUTDOWN."""
+    import signal
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    from rtp.server.engine_loop import EngineLoop
+    from rtp.server.frontend_procs import FrontendLink
+    from rtp.server.frontend_wire import FrameReader, Kind
+
+    runtime = SimpleNamespace(engine=None, config=SimpleNamespace(server=SimpleNamespace(shutdown_grace_s=4.0)))
+    loop = EngineLoop(runtime, None, 1, "", False)  # type: ignore[arg-type]
+    ours, theirs = socket.socketpair()
+    link = FrontendLink(0, None, ours, 5.0, pid=os.getpid())
+    loop.links = [link]
+    try:
+        with link._lock:  # the main thread is in the middle of a send
+            handler = threading.Thread(target=loop._on_signal, args=(signal.SIGTERM, None))
+            handler.start()
+            handler.join(2.0)
+            assert not handler.is_alive(), "the signal handler blocked on the link's lock"
+            assert not loop.stopping
+        loop._take_signals()
+        assert loop.stopping
+        theirs.settimeout(2.0)
+        reader = FrameReader()
+        kinds = [kind for kind, _ in reader.feed(theirs.recv(4096))]
+        assert kinds == [Kind.SHUTDOWN]
+    finally:
+        loop._stop_bound.close()  # disarm the stop's exit deadline: this is the test process
+        for s in (ours, theirs, loop._wake_r, loop._wake_w):
+            s.close()

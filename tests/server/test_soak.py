@@ -1,4 +1,5 @@
-"""Abort storms against a TP=2 server: nothing lost, gauges back to 0, greedy unchanged, and RSS that plateaus.
+"""Abort storms against a TP=2 server: nothing lost, gauges back to 0, greedy unchanged, and RSS that plateaus
+on both ranks and in the HTTP frontend process.
 
 A warm-up storm and three more of 100 streaming requests each (32 clients, every stream dropped after
 0-6 chunks, every 10th request timed out by its client). Where oneDNN runs the linears (AVX-512 CPUs),
@@ -41,8 +42,8 @@ def test_rss_plateaus_under_abort_storms(tmp_path):
     finally:
         os.environ.update(env)
     try:
-        pids = soak.rank_pids(proc.pid)
-        assert sorted(pids) == [0, 1]
+        pids = soak.server_pids(proc.pid)
+        assert sorted(pids) == ["frontend 0", "rank 0", "rank 1"]  # the default: one HTTP frontend process
         curve, failures = soak.soak(url, pids, storms=4, requests=100, clients=32, max_chunks=6, timeout_every=10,
                                     echo=False)
         assert failures == [], failures[:10]

@@ -41,9 +41,9 @@ def mixed_start(runner: ModelRunner, ps: ParallelState, n: int, logits, tokens: 
 
 def run_model(
     ps: ParallelState, model_dir: str, prompts: list[list[int]], steps: int, expert_parallel: bool = False,
-    mixed: bool = False, dtype: str = "float32",
+    mixed: bool = False, dtype: str = "float32", quantization: str | None = None,
 ) -> dict:
-    config = RtpConfig(model=ModelConfig(dtype=dtype, enforce_eager=True),
+    config = RtpConfig(model=ModelConfig(dtype=dtype, enforce_eager=True, quantization=quantization),
                        parallel=ParallelConfig(expert_parallel=expert_parallel),
                        cache=CacheConfig(block_size=BLOCK, num_kv_blocks=512))
     runner = ModelRunner(ps, model_dir, config)
@@ -98,11 +98,13 @@ def main() -> None:
                     help="run a prefill chunk and decode rows in one step (a mixed batch)")
     ap.add_argument("--ep-models", nargs="*", default=[],
                     help="MoE models run a second time with expert parallelism (saved as '<path>#ep'): one launch")
+    ap.add_argument("--quantization", help="ModelConfig.quantization for every model (int8)")
     ap.add_argument("models", nargs="+")
     args = ap.parse_args()
     ps = ParallelState.from_env("cpu")
     prompts = json.loads(args.prompts)
-    results = {m: run_model(ps, m, prompts, args.steps, args.expert_parallel, args.mixed) for m in args.models}
+    results = {m: run_model(ps, m, prompts, args.steps, args.expert_parallel, args.mixed,
+                            quantization=args.quantization) for m in args.models}
     results |= {f"{m}#ep": run_model(ps, m, prompts, args.steps, True, args.mixed) for m in args.ep_models}
     if ps.rank == 0:
         torch.save(results, args.out)

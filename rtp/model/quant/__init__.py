@@ -2,7 +2,7 @@
 
 - :mod:`.fp8`: Qwen's FP8 block checkpoints (``quant_method: fp8``, 128 x 128 blocks);
 - :mod:`.awq`: AutoAWQ GEMM checkpoints (``quant_method: awq``, 4 bits, groups of 128);
-- :mod:`.int8`: int8 weight-only quantization computed at load from a float checkpoint
+- :mod:`.int8`: int8 weights quantized at load from a float checkpoint
   (``quantization: int8``), for CPU decode.
 
 :func:`checkpoint_format` reads a checkpoint's ``quantization_config`` and refuses, in one line
