@@ -9,6 +9,10 @@
 #   1c. FP8 KV cache on CUDA: the Triton store byte for byte against the torch reference, paged attention on
 #      an fp8 cache (fp32 and bf16 queries) against float64, the model on the triton backend against the torch
 #      backend, both with kv_cache_dtype fp8_e4m3 (python -m tests.kernels.fp8_kv_cases)
+#   1d. quantized GEMMs on CUDA: FP8 per-token-group quantization, w8a8 (sm89+) and W8A16 block matmuls,
+#      AWQ int4, the FP8 fused MoE and packed TP-shard layers vs float64 dequantized references, and tiny
+#      FP8-MoE and AWQ models (eager and CUDA graphs) vs the CPU path
+#      (python -m tests.kernels.quant_gemm_cases)
 #   2. the gpu-marked tests (pytest -m gpu over the files that hold them), when pytest is installed
 #   3. a 2-rank NCCL smoke run, when there are 2+ GPUs
 #   4. a short benchmark (scripts/bench.py --quick); its failure is reported, not fatal
@@ -17,8 +21,9 @@
 #
 # scripts/gpu_check.sh --fake needs no GPU: it traces the CUDA path with fake CUDA tensors
 # (python -m rtp.fake_cuda: dense and MoE Qwen3, bf16, TP 1 and 2 on torch.distributed's fake
-# process group, the triton and torch attention backends, FP8/AWQ checkpoints, the FP8 KV cache with
-# checkpoint scales; start-up, prefill, mixed and decode steps,
+# process group, the triton and torch attention backends, FP8/AWQ checkpoints (their projections and experts
+# kept packed for the quantized kernels; the FP8 MoE also expert-parallel and on sm80 GPUs), the FP8 KV cache
+# with checkpoint scales; start-up, prefill, mixed and decode steps,
 # CUDA-graph capture and padded replay, the sampler), prints one row per (model, TP, backend, stage),
 # writes it to gpu_check_fake.md ($OUT or the repository root) and exits non-zero on any failure.
 set -uo pipefail
@@ -96,10 +101,12 @@ if [ "$NUM_GPUS" -ge 1 ]; then
         "$PY" -m tests.kernels.fused_moe_cases --device cuda --bench
     check "FP8 KV cache on CUDA (store, paged attention vs float64, tiny model)" 90 \
         "$PY" -m tests.kernels.fp8_kv_cases --device cuda
-    GPU_TESTS="tests/model/test_attention.py tests/kernels/test_paged_attention.py tests/runtime/test_cuda_graphs.py tests/kernels/test_fused_moe.py"
+    check "quantized GEMMs on CUDA (FP8 w8a8/W8A16, AWQ, FP8 fused MoE, TP-shard layers, tiny models)" 120 \
+        "$PY" -m tests.kernels.quant_gemm_cases --device cuda
+    GPU_TESTS="tests/model/test_attention.py tests/kernels/test_paged_attention.py tests/runtime/test_cuda_graphs.py tests/kernels/test_fused_moe.py tests/kernels/test_quant_gemm.py"
     if "$PY" -c "import pytest" 2>/dev/null; then
         # shellcheck disable=SC2086 # one word per file
-        check "gpu-marked tests (pytest -m gpu: attention, paged attention, CUDA graphs, fused MoE)" 120 \
+        check "gpu-marked tests (pytest -m gpu: attention, paged attention, CUDA graphs, fused MoE, quantized GEMMs)" 120 \
             "$PY" -m pytest -q -m gpu $GPU_TESTS -ra -p no:cacheprovider
     else
         ROWS+=("| gpu-marked tests (pytest -m gpu) | SKIP (pytest not installed; the triton checks above cover the same paths) | 0 |")

@@ -26,10 +26,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from rtp.config import CacheConfig, ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.core.step import CachedSeqs, StepPlan
 from rtp.distributed.parallel import ParallelState
-from rtp.fake_cuda.device import FakeCuda
+from rtp.fake_cuda.device import FakeCuda, FakeCudaSpec
 from rtp.fake_cuda.monitor import StepMonitor
 from rtp.fake_cuda.plans import ScriptedPlans
 from rtp.model import loader
+from rtp.model.linear import LinearBase
+from rtp.model.moe import FusedMoE
+from rtp.model.quant.base import PACKED_QUANT
 from rtp.runtime import model_runner
 from rtp.runtime.model_runner import ModelRunner
 from rtp.runtime.sampler import PenaltyState, Sampler, SampleRow
@@ -47,12 +50,16 @@ class Case:
     tp: int
     backend: str  # attention backend forced on the runner: "triton" or "torch"
     expert_parallel: bool = False
+    capability: tuple[int, int] = FakeCudaSpec.capability  # of the pretend GPUs (FP8 products from (8, 9))
     kv_cache_dtype: str = "auto"  # or "fp8_e4m3"
 
     @property
     def model_label(self) -> str:
         label = f"{self.model} (EP)" if self.expert_parallel else self.model
-        return label if self.kv_cache_dtype == "auto" else f"{label}, {self.kv_cache_dtype} KV"
+        if self.kv_cache_dtype != "auto":
+            label = f"{label}, {self.kv_cache_dtype} KV"
+        major, minor = self.capability
+        return label if self.capability == FakeCudaSpec.capability else f"{label} (sm{major}{minor})"
 
 
 @dataclass
@@ -195,7 +202,25 @@ def _check_placement(runner: ModelRunner, device: torch.device, dtype: torch.dty
                                      f"expected {cache_dtype} [{runner.num_blocks}, ...] on {device}")
     extra = f"; {dtype} params; buffers in another dtype: {sorted(set(fp32_buffers))}" if fp32_buffers else ""
     kv = f" ({str(cache_dtype).removeprefix('torch.')})" if cache_dtype != dtype else ""
-    return f"{runner.num_blocks} KV blocks of {runner.block_size}{kv}{extra}"
+    return f"{runner.num_blocks} KV blocks of {runner.block_size}{kv}{extra}{_packed_note(runner.model)}"
+
+
+
+def _packed_note(model: torch.nn.Module) -> str:
+    """How many projections and expert stacks of a quantized checkpoint stay packed for the quantized kernels."""
+    kinds: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, LinearBase) and m.quant_packed is not None:
+            if m.method is not PACKED_QUANT:
+                raise AssertionError(f"a {type(m).__name__} holds packed weights but runs {type(m.method).__name__}")
+            packed: object = m.quant_packed
+        elif isinstance(m, FusedMoE) and m.fp8 is not None:
+            packed = m.fp8
+        else:
+            continue
+        kind = type(packed).__name__ + (" (w8a8)" if getattr(packed, "w8a8", False) else "")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return "".join(f"; {n} x {kind}" for kind, n in sorted(kinds.items()))
 
 
 def _check_graphs(runner: ModelRunner, fake: FakeCuda, device: torch.device, dtype: torch.dtype) -> str:
@@ -346,7 +371,7 @@ STAGES = ("start-up (load, profile, KV sizing)", "CUDA-graph capture", "prefill"
 def run_rank(case: Case, rank: int, model_dir: Path) -> list[StageResult]:
     """Trace one rank of ``case`` (see the module docstring); a failed stage is a result, never an exception."""
     monitor = StepMonitor()
-    fake = FakeCuda(on_capture=monitor.set_capturing)
+    fake = FakeCuda(FakeCudaSpec(capability=case.capability), on_capture=monitor.set_capturing)
     stages = _Stages(monitor)
     dtype = torch.bfloat16
     saved_choice = model_runner.choose_attn_backend

@@ -15,10 +15,12 @@ BACKENDS = ("triton", "torch")  # every choice that does not need flash-attn ins
 
 
 def default_cases() -> list[Case]:
-    """Dense and MoE x TP 1 and 2 x each backend, expert-parallel MoE at TP 2, quantized checkpoints at TP 2,
-    the FP8 KV cache (a checkpoint with k/v scales) at TP 2 on each backend."""
+    """Dense and MoE x TP 1 and 2 x each backend, expert-parallel MoE at TP 2, quantized checkpoints at TP 2
+    (FP8 on sm90 GPUs, FP8 products, also expert-parallel, and on sm80 ones, the W8A16 kernels), the FP8 KV
+    cache (a checkpoint with k/v scales) at TP 2 on each backend."""
     cases = [Case(model, tp, backend) for model in ("dense", "moe") for tp in (1, 2) for backend in BACKENDS]
     return cases + [Case("moe", 2, "triton", expert_parallel=True), Case("moe-fp8", 2, "triton"),
+                    Case("moe-fp8", 2, "triton", expert_parallel=True), Case("moe-fp8", 2, "triton", capability=(8, 0)),
                     Case("dense-awq", 2, "triton"),
                     *(Case("dense-kv-scales", 2, backend, kv_cache_dtype="fp8_e4m3") for backend in BACKENDS)]
 

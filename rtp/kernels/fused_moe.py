@@ -15,6 +15,11 @@ SiLU-and-mul into an intermediate buffer, then down with the routing weight
 applied; the ``top_k`` rows of each token are summed at the end. The alignment
 is pure tensor code (no host sync), so the path can be captured in a CUDA graph.
 
+FP8 block-scaled experts (:class:`Fp8Experts`, Qwen's FP8 MoE checkpoints) run the same kernels
+with the weight tiles read as fp8: FP8 products with per-token-group activation scales (sm89+,
+the activations quantized by :func:`rtp.kernels.quant_gemm.quantize_fp8_groups`) or the weight
+decoded next to the activations; each 128-block's scale multiplies its partial product.
+
 On CUDA, :func:`fused_moe` goes through the torch custom op ``rtp::fused_moe``: its real
 implementation launches the Triton kernels (the torch path where triton is missing); its fake one
 checks shapes, dtypes and devices, traces the alignment (so a host sync there shows) and returns an
@@ -23,10 +28,13 @@ empty ``[T, H]``, so the CUDA path can be traced with fake CUDA tensors (:mod:`r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from rtp.kernels.op_checks import FLOAT_DTYPES, check_device, check_dim, check_dtype, check_same_dtype, check_shape
+from rtp.kernels.quant_gemm import num_groups, quantize_fp8_groups
 
 try:
     import triton
@@ -100,13 +108,37 @@ def align_by_expert(
 if triton is not None:
 
     @triton.jit
+    def _weight_tile(w_ptr, ws_ptr, rows, row_ok, ks, k_ok, g, stride_wn, stride_wsn, dtype, W_FP8: tl.constexpr,
+                     A_FP8: tl.constexpr):
+        # [BK, BN] tile of weight rows `rows` at inputs `ks`, and the rows' scales of 128-group g ([BN]; unused
+        # unless W_FP8). A_FP8: the fp8 values as they are; else in `dtype` (fp8 decoded from its bytes).
+        ptrs = w_ptr + rows[None, :] * stride_wn + ks[:, None]
+        ok = row_ok[None, :] & k_ok[:, None]
+        if W_FP8:
+            sw = tl.load(ws_ptr + rows * stride_wsn + g, mask=row_ok, other=0.0)
+            if A_FP8:
+                w = tl.load(ptrs, mask=ok, other=0.0)
+            else:
+                b = tl.load(ptrs, mask=ok, other=0).to(tl.int32)
+                # e4m3 bits shifted into a float16 are the value times 2^-8 (as in rtp.kernels.quant_gemm)
+                half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+                w = (half.to(tl.float32) * 256.0).to(dtype)
+        else:
+            sw = 1.0
+            w = tl.load(ptrs, mask=ok, other=0.0)
+        return w, sw
+
+    @triton.jit
     def _gate_up_kernel(
-        x_ptr, w13_ptr, h_ptr, pairs_ptr, block_experts_ptr,
+        x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, pairs_ptr, block_experts_ptr,
         num_pairs, hidden, inter, top_k, num_experts,
-        stride_xt, stride_we, stride_wn, stride_ht,
+        stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_ht,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+        W_FP8: tl.constexpr, A_FP8: tl.constexpr,
     ):
         # Program (m, n): rows m*BLOCK_M.. of the sorted pairs (one expert), columns n*BLOCK_N.. of I.
+        # W_FP8: w13 holds FP8 128-blocks (ws: one row of block scales per weight row); A_FP8: x is fp8
+        # too, with per-token scales of each 128-group (xs); BLOCK_K divides 128.
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
         if expert < num_experts:
@@ -118,33 +150,44 @@ if triton is not None:
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             w_base = w13_ptr + expert * stride_we
+            ws_base = ws_ptr + expert * stride_wse
             for k0 in range(0, hidden, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = ks < hidden
+                g = k0 // 128
                 a = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :],
                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-                wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
-                             mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, BN] gate rows
-                wu = tl.load(w_base + (inter + cols[None, :]) * stride_wn + ks[:, None],
-                             mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, BN] up rows
+                wg, sg = _weight_tile(w_base, ws_base, cols, col_ok, ks, k_ok, g, stride_wn, stride_wsn, a.dtype,
+                                      W_FP8, A_FP8)
+                wu, su = _weight_tile(w_base, ws_base, inter + cols, col_ok, ks, k_ok, g, stride_wn, stride_wsn,
+                                      a.dtype, W_FP8, A_FP8)
                 if IEEE:
-                    acc_g += tl.dot(a, wg, input_precision="ieee")
-                    acc_u += tl.dot(a, wu, input_precision="ieee")
+                    pg = tl.dot(a, wg, input_precision="ieee")
+                    pu = tl.dot(a, wu, input_precision="ieee")
                 else:
-                    acc_g += tl.dot(a, wg)
-                    acc_u += tl.dot(a, wu)
+                    pg = tl.dot(a, wg)
+                    pu = tl.dot(a, wu)
+                if A_FP8:
+                    sa = tl.load(xs_ptr + tokens * stride_xst + g, mask=row_ok, other=0.0)  # [BM]
+                    pg, pu = pg * sa[:, None], pu * sa[:, None]
+                if W_FP8:
+                    pg, pu = pg * sg[None, :], pu * su[None, :]
+                acc_g += pg
+                acc_u += pu
             h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(gate) * up, in fp32
             tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_ht + cols[None, :],
                      h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _down_kernel(
-        h_ptr, w2_ptr, y_ptr, pairs_ptr, block_experts_ptr, weights_ptr,
-        num_pairs, hidden, inter, num_experts,
-        stride_ht, stride_we, stride_wn, stride_yt,
+        h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, pairs_ptr, block_experts_ptr, weights_ptr,
+        num_pairs, hidden, inter, num_experts, k_offset,
+        stride_ht, stride_hst, stride_we, stride_wn, stride_wse, stride_wsn, stride_yt,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+        W_FP8: tl.constexpr, A_FP8: tl.constexpr,
     ):
-        # Program (m, n): rows m*BLOCK_M.. of the sorted pairs, output columns n*BLOCK_N.. of H.
+        # Program (m, n): rows m*BLOCK_M.. of the sorted pairs, output columns n*BLOCK_N.. of H. As
+        # _gate_up_kernel; k_offset: where the first of the I inputs sits in its 128-block (a row shard).
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
         if expert < num_experts:
@@ -154,17 +197,25 @@ if triton is not None:
             col_ok = cols < hidden
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             w_base = w2_ptr + expert * stride_we
-            for k0 in range(0, inter, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < inter
+            ws_base = ws_ptr + expert * stride_wse
+            for k0 in range(0, inter + k_offset, BLOCK_K):
+                ks = k0 - k_offset + tl.arange(0, BLOCK_K)
+                k_ok = (ks >= 0) & (ks < inter)
+                g = k0 // 128
                 a = tl.load(h_ptr + pairs[:, None] * stride_ht + ks[None, :],
                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-                w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
-                            mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, BN]
+                w, sw = _weight_tile(w_base, ws_base, cols, col_ok, ks, k_ok, g, stride_wn, stride_wsn, a.dtype,
+                                     W_FP8, A_FP8)
                 if IEEE:
-                    acc += tl.dot(a, w, input_precision="ieee")
+                    p = tl.dot(a, w, input_precision="ieee")
                 else:
-                    acc += tl.dot(a, w)
+                    p = tl.dot(a, w)
+                if A_FP8:
+                    sa = tl.load(hs_ptr + pairs * stride_hst + g, mask=row_ok, other=0.0)  # [BM]
+                    p = p * sa[:, None]
+                if W_FP8:
+                    p = p * sw[None, :]
+                acc += p
             # The routing weight is applied in the dtype of the activations, as the torch path does.
             route_w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)  # [BM]
             y = acc.to(y_ptr.dtype.element_ty) * route_w[:, None].to(y_ptr.dtype.element_ty)
@@ -175,15 +226,39 @@ if triton is not None:
 def _block_sizes(num_pairs: int, hidden: int, inter: int) -> tuple[int, int, int]:
     # tl.dot needs every block dimension >= 16. Small batches (decode) waste less on padding
     # with 16-row blocks; large prefills reuse each expert's weight tile over more rows.
+    # BLOCK_K divides 128, so that an FP8 weight's 128-block scales are constant over a tile.
     block_m = 16 if num_pairs <= 1024 else 64
     block_n = 64 if max(hidden, inter) >= 64 else 32
     return block_m, block_n, 64 if min(hidden, inter) >= 64 else 32
 
 
+@dataclass(frozen=True)
+class Fp8Experts:
+    """FP8 block-scaled expert stacks as the fused kernels take them.
+
+    ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` in ``float8_e4m3fn``; ``s13 [E, 2I, ceil(H/128)]`` and
+    ``s2 [E, H, ceil((I + k_offset)/128)]`` fp32, one row of 128-block scales per weight row (as
+    :mod:`rtp.kernels.quant_gemm`); ``k_offset``: where the first of this rank's I columns sits
+    inside its block. ``w8a8``: FP8 products (sm89+), the activations quantized per token and per
+    128-group; else the weights are decoded in the kernel next to the activations.
+    """
+
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    k_offset: int
+    w8a8: bool
+
+
 def fused_moe_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    fp8: Fp8Experts | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`fused_moe_reference` (GPU, or CPU under TRITON_INTERPRET=1)."""
+    """Triton version of :func:`fused_moe_reference` (GPU, or CPU under TRITON_INTERPRET=1).
+
+    ``fp8``: the experts in FP8 blocks (``w13``/``w2`` are then ``fp8.w13``/``fp8.w2``).
+    """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, k = two_inter // 2, topk_ids.shape[1]
@@ -199,17 +274,30 @@ def fused_moe_triton(
     weights = topk_weights.reshape(-1).contiguous()  # [T*k]
     ieee = x.dtype == torch.float32  # fp32 models get fp32 products, not TF32
     num_blocks = block_experts.numel()
+    w_fp8, a_fp8 = fp8 is not None, fp8 is not None and fp8.w8a8
+    a, a_scale, s13, k_offset = x, x, w13, 0  # (unused scale pointers without fp8)
+    if fp8 is not None:
+        s13, k_offset = fp8.s13, fp8.k_offset
+        if fp8.w8a8:
+            a, a_scale = quantize_fp8_groups(x)
+        else:
+            w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w13, h, sorted_pairs, block_experts,
+        a, a_scale, w13, s13, h, sorted_pairs, block_experts,
         num_pairs, hidden, inter, k, num_experts,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+        a.stride(0), a_scale.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, W_FP8=w_fp8, A_FP8=a_fp8,
     )
+    hq, h_scale, s2 = h, h, w2
+    if fp8 is not None:
+        s2 = fp8.s2
+        if fp8.w8a8:
+            hq, h_scale = quantize_fp8_groups(h, k_offset)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        h, w2, y, sorted_pairs, block_experts, weights,
-        num_pairs, hidden, inter, num_experts,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+        hq, h_scale, w2, s2, y, sorted_pairs, block_experts, weights,
+        num_pairs, hidden, inter, num_experts, k_offset,
+        hq.stride(0), h_scale.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, W_FP8=w_fp8, A_FP8=a_fp8,
     )
     # Pairs of experts not held here were never written: zero them before the sum over slots.
     y.masked_fill_((topk_ids.reshape(-1) >= num_experts)[:, None], 0)
@@ -256,6 +344,51 @@ def _fused_moe_fake(
     return x.new_empty(x.shape)  # [T, H]
 
 
+def check_fused_moe_fp8_args(x: torch.Tensor, fp8: Fp8Experts, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor) -> None:
+    """Raise :class:`~rtp.kernels.op_checks.KernelArgError` unless the arguments of ``rtp::fused_moe_fp8`` fit."""
+    op = "rtp::fused_moe_fp8"
+    w13, w2 = fp8.w13, fp8.w2
+    check_dim(op, "w13", w13, 3, "[E, 2I, H]")
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    check_shape(op, "x", x, (x.shape[0], hidden), "[T, H] with w13's H")
+    check_shape(op, "w2", w2, (num_experts, hidden, inter), "[E, H, I]")
+    check_shape(op, "s13", fp8.s13, (num_experts, two_inter, num_groups(hidden, 0)), "[E, 2I, ceil(H/128)]")
+    check_shape(op, "s2", fp8.s2, (num_experts, hidden, num_groups(inter, fp8.k_offset)),
+                "[E, H, ceil((I + k_offset)/128)]")
+    check_dim(op, "topk_ids", topk_ids, 2, "[T, k]")
+    check_shape(op, "topk_ids", topk_ids, (x.shape[0], topk_ids.shape[1]), "[T, k]")
+    check_shape(op, "topk_weights", topk_weights, tuple(topk_ids.shape), "topk_ids' [T, k]")
+    check_device(op, x=x, w13=w13, s13=fp8.s13, w2=w2, s2=fp8.s2, topk_weights=topk_weights, topk_ids=topk_ids)
+    check_same_dtype(op, x=x, topk_weights=topk_weights)
+    check_dtype(op, FLOAT_DTYPES, x=x)
+    check_dtype(op, (torch.float8_e4m3fn,), w13=w13, w2=w2)
+    check_dtype(op, (torch.float32,), s13=fp8.s13, s2=fp8.s2)
+    check_dtype(op, (torch.int32, torch.int64), topk_ids=topk_ids)
+
+
+@torch.library.custom_op("rtp::fused_moe_fp8", mutates_args=())
+def _fused_moe_fp8_op(
+    x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, k_offset: int, w8a8: bool,
+) -> torch.Tensor:
+    fp8 = Fp8Experts(w13, s13, w2, s2, k_offset, w8a8)
+    check_fused_moe_fp8_args(x, fp8, topk_weights, topk_ids)
+    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, fp8)
+
+
+@_fused_moe_fp8_op.register_fake
+def _fused_moe_fp8_fake(
+    x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, k_offset: int, w8a8: bool,
+) -> torch.Tensor:
+    check_fused_moe_fp8_args(x, Fp8Experts(w13, s13, w2, s2, k_offset, w8a8), topk_weights, topk_ids)
+    block_m = _block_sizes(topk_ids.numel(), x.shape[1], w2.shape[2])[0]
+    align_by_expert(topk_ids, w13.shape[0], block_m)
+    return x.new_empty(x.shape)  # [T, H]
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
@@ -263,3 +396,13 @@ def fused_moe(
     if x.is_cuda:
         return torch.ops.rtp.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_moe_fp8(x: torch.Tensor, fp8: Fp8Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The MoE FFN over FP8 block-scaled experts: the ``rtp::fused_moe_fp8`` op on CUDA; elsewhere the Triton
+    kernels directly (CPU under TRITON_INTERPRET=1)."""
+    if x.is_cuda:
+        return torch.ops.rtp.fused_moe_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, topk_weights, topk_ids,
+                                           fp8.k_offset, fp8.w8a8)
+    check_fused_moe_fp8_args(x, fp8, topk_weights, topk_ids)
+    return fused_moe_triton(x, fp8.w13, fp8.w2, topk_weights, topk_ids, fp8)

@@ -18,7 +18,7 @@ fp32 and where oneDNN has native bf16). Both are 2-4x faster than ``F.linear``
 at decode shapes. A quantized format (FP8 blocks, AWQ, int8) is a further
 method (:mod:`rtp.model.quant`): its own parameters (weights and scales) and
 checkpoint tensors; FP8 and AWQ checkpoints are dequantized into the plain weight after
-loading, int8 weight-only has its own matmul.
+loading on CPU and kept packed for Triton GEMMs on CUDA, int8 weight-only has its own matmul.
 """
 
 from __future__ import annotations
@@ -226,6 +226,7 @@ class LinearBase(nn.Module):
     int8_kernel: bool = False  # whether torch's int8 matmul computes this layer's product
     int8_panels: torch.Tensor | None = None  # the int8 weight packed for a CPU kernel
     int8_vnni: bool = False  # whether int8_panels are rtp.kernels.cpu_int8_gemm's (else rtp.kernels.cpu_gemm's)
+    quant_packed: object | None = None  # a quantized checkpoint's packed weights on CUDA (rtp.model.quant.base)
     full_shapes: dict[object, tuple[int, int]] = {}  # replaced per instance, never mutated
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from rtp.distributed.parallel import ParallelState
-from rtp.kernels.fused_moe import fused_moe
+from rtp.kernels.fused_moe import Fp8Experts, fused_moe, fused_moe_fp8
 from rtp.model.linear import PLAIN, LinearBase, _copy, divide, frozen_param, load_full
-from rtp.model.quant.base import QuantFormat, dequantize_experts, expert_buffers
+from rtp.model.quant.base import QuantFormat, dequantize_experts, expert_buffers, pack_experts
+from rtp.model.quant.fp8 import Fp8Packed
 
 
 class MoERouter(LinearBase):
@@ -52,8 +53,13 @@ class FusedMoE(nn.Module):
 
     ``quant``: a quantized checkpoint's format. Its tensors (``w13_weight_scale_inv``, ``w2_qweight``,
     ...) load into stacks of the same shapes through dense views, sliced like the plain weights,
-    and become ``w13_weight``/``w2_weight`` in :meth:`process_weights_after_loading`.
+    and become ``w13_weight``/``w2_weight`` in :meth:`process_weights_after_loading`. FP8 experts on
+    CUDA stay FP8 instead (``fp8``: :class:`~rtp.kernels.fused_moe.Fp8Experts`, the fused kernels'
+    FP8 path); other packed formats have no expert kernel and are dequantized.
     """
+
+    fp8: Fp8Experts | None = None
+    packed = False  # whether the quantized experts load to stay packed (set with quant)
 
     def __init__(
         self, num_experts: int, hidden: int, inter: int, ps: ParallelState, expert_parallel: bool = False,
@@ -77,19 +83,30 @@ class FusedMoE(nn.Module):
             return
         quant.check_shape("expert gate/up projection", inter, hidden)
         quant.check_shape("expert down projection", hidden, inter)
+        self.packed = quant.packs_on(torch.get_default_device())
         # Full [N, K] of the checkpoint projection behind a shard id (expert, 0 gate | 1 up | None down).
-        expert_buffers(self, quant, "w13", (e, 2 * i, hidden), self.weight_loader, lambda shard: (inter, hidden))
-        expert_buffers(self, quant, "w2", (e, hidden, i), self.weight_loader, lambda shard: (hidden, inter))
+        expert_buffers(self, quant, "w13", (e, 2 * i, hidden), self.weight_loader, lambda shard: (inter, hidden),
+                       self.packed)
+        expert_buffers(self, quant, "w2", (e, hidden, i), self.weight_loader, lambda shard: (hidden, inter),
+                       self.packed)
 
     def process_weights_after_loading(self) -> None:
-        """A quantized checkpoint's stacks dequantized into ``w13_weight``/``w2_weight`` (nothing otherwise)."""
-        if self.quant is None:
+        """A quantized checkpoint's stacks dequantized into ``w13_weight``/``w2_weight``, or kept FP8 (``fp8``)."""
+        quant, dtype = self.quant, self.compute_dtype
+        if quant is None:
             return
-        self.w13_weight = frozen_param(dequantize_experts(self, self.quant, "w13", self.compute_dtype),
-                                       self.weight_loader)
-        self.w2_weight = frozen_param(dequantize_experts(self, self.quant, "w2", self.compute_dtype),
-                                      self.weight_loader)
         self.quant = None
+        if self.packed:
+            w13, w2 = pack_experts(self, quant, "w13", dtype), pack_experts(self, quant, "w2", dtype)
+            if isinstance(w13, Fp8Packed) and isinstance(w2, Fp8Packed):
+                self.fp8 = Fp8Experts(w13.weight, w13.scale, w2.weight, w2.scale, w2.k_offset, w2.w8a8)
+                return
+            if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)):
+                raise TypeError(f"{quant.name} experts packed without an expert kernel")
+        else:
+            w13, w2 = dequantize_experts(self, quant, "w13", dtype), dequantize_experts(self, quant, "w2", dtype)
+        self.w13_weight = frozen_param(w13, self.weight_loader)
+        self.w2_weight = frozen_param(w2, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, source, shard_id: tuple[int, int | None]) -> None:  # noqa: ANN001
         """Copy this rank's part of one expert's projection; ``shard_id = (expert, 0 gate | 1 up | None down)``."""
@@ -111,7 +128,10 @@ class FusedMoE(nn.Module):
             local = topk_ids - self.expert_start
             # Experts of other ranks become id E_local, which the kernels skip.
             topk_ids = torch.where((local >= 0) & (local < self.num_local), local, self.num_local)
-        out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.fp8 is not None:
+            out = fused_moe_fp8(x, self.fp8, topk_weights, topk_ids)
+        else:
+            out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return self.ps.all_reduce(out)
 
 

@@ -25,7 +25,7 @@ from rtp.model.linear import (
 )
 from rtp.model.moe import FusedMoE
 from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, qk_norm_rope, rope_inv_freq
-from rtp.model.quant import DequantLinearMethod, QuantFormat
+from rtp.model.quant import QuantFormat, QuantLinearMethod
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -187,7 +187,8 @@ class Qwen3ForCausalLM(nn.Module):
     rank 0 alone then has the LM head, whole: it samples, from the last stage's final hidden states.
 
     ``quant``: the format of a quantized checkpoint (:mod:`rtp.model.quant`); the attention and
-    MLP projections (and the experts) load its tensors and are dequantized once after loading.
+    MLP projections (and the experts) load its tensors and are dequantized once after loading (on CUDA: kept
+    packed for the format's Triton GEMMs).
     Embeddings, the LM head, the norms and the MoE router are always plain.
     """
 
@@ -206,7 +207,7 @@ class Qwen3ForCausalLM(nn.Module):
         spec.check_tp(ps.tp_size)
         self.spec = spec
         self.quant = quant
-        self.linear_method: LinearMethod = PLAIN if quant is None else DequantLinearMethod(quant)
+        self.linear_method: LinearMethod = PLAIN if quant is None else QuantLinearMethod(quant)
         inv_freq, scale = rope_inv_freq(hf_config, spec.head_dim)
         rotary = RotaryEmbedding(spec.head_dim, max_positions, inv_freq, scale)
         self.model = Qwen3Model(spec, ps, rotary, lambda i: self.make_mlp(i, ps), self.linear_method, layers)

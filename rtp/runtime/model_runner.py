@@ -133,7 +133,8 @@ def load_model(
     split, or ``layer_partition``), and only their tensors are read.
 
     ``expert_parallel`` (MoE only): whole experts per rank instead of a slice of every expert.
-    A quantized checkpoint (``quantization_config``: FP8 blocks, AWQ) is dequantized to ``dtype`` at load;
+    A quantized checkpoint (``quantization_config``: FP8 blocks, AWQ) is dequantized to ``dtype`` at load
+    on CPU and kept packed for its Triton GEMMs on CUDA;
     ``quantization="int8"`` then makes the attention and MLP projections and the LM head int8.
     """
     hf_config = AutoConfig.from_pretrained(str(model_dir))
@@ -153,7 +154,8 @@ def load_model(
     report = load_weights(model, model_dir, show_progress=ps.rank == 0)
     model.gather_tied_head()  # pipeline stages: rank 0's whole tied head from the embedding's shards
     if quant is not None:
-        logger.info("dequantized the %s checkpoint's projections to %s at load", quant.name, dtype)
+        how = "kept packed for its GPU kernels" if quant.packs_on(ps.device) else f"dequantized to {dtype} at load"
+        logger.info("the %s checkpoint's projections: %s", quant.name, how)
     if quantization == "int8":
         logger.info("int8: %d layers quantized per output channel", quantize_int8(model))
     method = cpu_linear_method(ps.device, dtype)

@@ -38,6 +38,12 @@ def test_every_case_and_stage_passes(models):
         elif r.stage != "sampler":
             assert r.status == "PASS", r
     assert {r.stage for r in rows} == set(STAGES)
+    # Quantized checkpoints run packed: FP8 products on the sm90 GPUs, the W8A16 kernels on sm80 ones, AWQ int4.
+    packed = {r.case.model_label: {part.split(" x ", 1)[1] for part in r.note.split("; ") if " x " in part}
+              for r in rows if r.stage == STAGES[0] and r.case.model in ("moe-fp8", "dense-awq")}
+    assert packed == {"moe-fp8": {"Fp8Experts (w8a8)", "Fp8Packed (w8a8)"},
+                      "moe-fp8 (EP)": {"Fp8Experts (w8a8)", "Fp8Packed (w8a8)"},
+                      "moe-fp8 (sm80)": {"Fp8Experts", "Fp8Packed"}, "dense-awq": {"AwqPacked"}}, packed
     decode = [r for r in rows if r.case == Case("dense", 1, "triton") and r.stage.startswith("decode")]
     assert [r.note.split(";")[0] for r in decode] == [
         "graph 1 replayed", "graph 4 replayed, 1 padding rows", "eager (above the largest graph, 4)",

@@ -15,10 +15,10 @@ from typing import Any
 
 from rtp.errors import CheckpointError
 from rtp.model.quant.awq import AwqFormat
-from rtp.model.quant.base import DequantLinearMethod, QuantFormat
+from rtp.model.quant.base import QuantFormat, QuantLinearMethod
 from rtp.model.quant.fp8 import Fp8BlockFormat
 
-__all__ = ["AwqFormat", "DequantLinearMethod", "Fp8BlockFormat", "QuantFormat", "checkpoint_format"]
+__all__ = ["AwqFormat", "Fp8BlockFormat", "QuantFormat", "QuantLinearMethod", "checkpoint_format"]
 
 SUPPORTED = "'fp8' (e4m3, 128x128 blocks, dynamic activations) and 'awq' (4-bit GEMM, group 128, zero point)"
 

@@ -42,13 +42,23 @@ def _check_dtype(source: Any, name: str, allowed: tuple[str, ...]) -> None:
 
 
 class _View:
-    """Base of the dense views: the full ``[N, K]`` shape and the wrapped checkpoint slice handle."""
+    """Base of the dense views: the full ``[N, K]`` shape and the wrapped checkpoint slice handle.
+
+    ``col_start``: the first column of the last slice taken (None before any), which a packed layer
+    keeps to find its input columns' 128-blocks.
+    """
 
     def __init__(self, source: Any, full: tuple[int, int]) -> None:
         self.source, self.full = source, full
+        self.col_start: int | None = None
 
     def get_shape(self) -> list[int]:
         return list(self.full)
+
+    def _cut(self, idx: Any) -> tuple[int, int, int, int]:
+        bounds = _bounds(idx, self.full)
+        self.col_start = bounds[2]
+        return bounds
 
 
 class Fp8WeightView(_View):
@@ -59,6 +69,7 @@ class Fp8WeightView(_View):
         _check_dtype(source, "the FP8 weight", ("F8_E4M3",))
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
+        self._cut(idx)
         return self.source[idx]
 
 
@@ -71,12 +82,42 @@ class BlockScaleView(_View):
         self.block = block
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
-        r0, r1, c0, c1 = _bounds(idx, self.full)
+        r0, r1, c0, c1 = self._cut(idx)
         bn, bk = self.block
         br0, bc0 = r0 // bn, c0 // bk
         s = self.source[br0 : -(-r1 // bn), bc0 : -(-c1 // bk)].float()  # the blocks covering the slice
         s = s.repeat_interleave(bn, 0)[r0 - br0 * bn : r1 - br0 * bn]
         return s.repeat_interleave(bk, 1)[:, c0 - bc0 * bk : c1 - bc0 * bk]  # [r1 - r0, c1 - c0]
+
+
+class BlockRowScaleView(_View):
+    """``weight_scale_inv [ceil(N/bn), ceil(K/bk)]`` with its rows expanded: a slice of rows ``r0:r1`` (and any
+    columns) is ``[r1 - r0, ceil(K/bk)]`` fp32, each row its block's scales over every column block.
+
+    What a packed FP8 layer loads (:mod:`rtp.kernels.quant_gemm` takes one row of block scales per output
+    row); it keeps the columns' start (``col_start``) and picks the blocks of its columns after loading.
+    """
+
+    def __init__(self, source: Any, full: tuple[int, int], block: tuple[int, int]) -> None:
+        super().__init__(source, full)
+        _check_dtype(source, "the block scale", ("BF16", "F32", "F16"))
+        self.block = block
+
+    def __getitem__(self, idx: Any) -> torch.Tensor:
+        r0, r1, _, _ = self._cut(idx)
+        bn = self.block[0]
+        s = self.source[r0 // bn : -(-r1 // bn)].float()  # [blocks covering the rows, ceil(K/bk)]
+        return s.repeat_interleave(bn, 0)[r0 - (r0 // bn) * bn : r1 - (r0 // bn) * bn]
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[R, C]`` of 4-bit values -> int32 ``[R, C/8]`` in AutoAWQ's order (undoes :func:`unpack_awq`)."""
+    r, c = values.shape
+    v = values.to(torch.int32).view(r, c // 8, 8)  # column 8p + j
+    packed = torch.zeros(r, c // 8, dtype=torch.int32, device=values.device)
+    for j in range(8):  # bits 28..31 wrap into the sign of the int32, as the checkpoint stores them
+        packed |= v[:, :, j] << (4 * AWQ_NIBBLE_OF_COLUMN[j])
+    return packed
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
@@ -95,7 +136,7 @@ class AwqPackedView(_View):
         self.group = group
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
-        r0, r1, c0, c1 = _bounds(idx, self.full)
+        r0, r1, c0, c1 = self._cut(idx)
         g, p0 = self.group, r0 // 8
         q = unpack_awq(self.source[c0 // g : -(-c1 // g), p0 : -(-r1 // 8)])  # [K rows or groups, cols]
         q = q[:, r0 - 8 * p0 : r1 - 8 * p0].t()  # [r1 - r0, K rows or groups]
@@ -111,7 +152,7 @@ class GroupScaleView(_View):
         self.group = group
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
-        r0, r1, c0, c1 = _bounds(idx, self.full)
+        r0, r1, c0, c1 = self._cut(idx)
         g = self.group
         s = self.source[c0 // g : -(-c1 // g), r0:r1].t()  # [r1 - r0, groups]
         return s.repeat_interleave(g, 1)[:, c0 - (c0 // g) * g : c1 - (c0 // g) * g]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rtp.errors import CheckpointError
-from rtp.model.quant.views import AwqPackedView, BlockScaleView, GroupScaleView
+from rtp.model.quant.views import AwqPackedView, BlockRowScaleView, BlockScaleView, GroupScaleView, pack_awq
 from rtp.testing_quant import awq_pack
 
 N, K = 200, 384  # 2 row blocks (the second partial), 3 column blocks / groups
@@ -45,6 +45,21 @@ def test_block_scale_view(idx):
     assert view.get_shape() == [N, K]
     r, c = idx
     assert torch.equal(view[r, c] if c != slice(None) else view[r], expanded(s.float(), 128, 128)[r, c])
+
+
+@pytest.mark.parametrize("idx", SLICES)
+def test_block_row_scale_view_gives_each_row_its_blocks_and_records_the_columns(idx):
+    s = torch.rand(2, 3).to(torch.bfloat16)
+    view = BlockRowScaleView(Handle(s, "BF16"), (N, K), (128, 128))
+    r, c = idx
+    rows = torch.arange(N)[r]
+    assert torch.equal(view[r, c] if c != slice(None) else view[r], s.float()[rows // 128])  # [rows, 3]
+    assert view.col_start == c.indices(K)[0]
+
+
+def test_pack_awq_is_the_checkpoint_packing():
+    q = torch.randint(0, 16, (5, 64), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(pack_awq(q.to(torch.uint8)), awq_pack(q))  # the writer's packing, independent code
 
 
 @pytest.mark.parametrize("idx", SLICES)
