@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from rtp.assets import trained_eagle3_dir, trained_model_dir
 from rtp.config import SpeculativeConfig
 from rtp.errors import ConfigError
 from rtp.sampling import SamplingParams
@@ -202,3 +203,20 @@ def test_speculators_head_loads_its_own_embedding_and_fc_bias(target, heads) -> 
     assert torch.equal(head.embed, t["embed_tokens.weight"]) and head.fc.bias is not None
     assert torch.equal(head.fc.bias, t["fc.bias"])
     assert torch.equal(head.draft_to_target, torch.arange(128) * 2 + 1)
+
+
+def test_shipped_head_drafts_are_accepted_and_outputs_equal_plain() -> None:
+    """The trained head for the default model (default auxiliary layers 2, 2, 1): most drafts accepted,
+    some rejected, outputs token for token those without speculation."""
+    model, head = trained_model_dir(), trained_eagle3_dir()
+    assert open_head(head, model).aux_layers == (2, 2, 1)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [[4000]] + [torch.randint(0, 4000, (n,), generator=gen).tolist() for n in (5, 30, 60)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    plain = run(make_engine(model, budget=40, blocks=24), [(p, params) for p in prompts])
+    engine = make_engine(model, eagle_config(head), budget=40, blocks=24)
+    outs = run(engine, [(p, params) for p in prompts])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    stats = engine.stats()
+    assert 0.3 < stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"] < 1.0, stats
+    assert stats["spec_accepted_pos_0"] >= stats["spec_accepted_pos_1"] >= stats["spec_accepted_pos_2"] > 0
