@@ -20,6 +20,10 @@ KV cache and forgetting: as the draft model's (its own paged cache indexed by th
 ids, scratch blocks past a sequence's allocation; a sequence that leaves ``running`` is forgotten).
 Positions whose target hidden states never reached rank 0 (a prefix-cache hit: the target skipped
 them) get zero features: the head still sees their tokens, drafts there are merely worse.
+
+Memory: a sequence's features ([positions, H], after ``fc``) are kept from its first chunk until the
+head has read them, so a sequence that does not draft for long (a batch above ``disable_by_batch_size``)
+holds one H-wide row per token it has computed meanwhile.
 """
 
 from __future__ import annotations

@@ -220,3 +220,16 @@ def test_shipped_head_drafts_are_accepted_and_outputs_equal_plain() -> None:
     stats = engine.stats()
     assert 0.3 < stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"] < 1.0, stats
     assert stats["spec_accepted_pos_0"] >= stats["spec_accepted_pos_1"] >= stats["spec_accepted_pos_2"] > 0
+
+
+def test_startup_check_refuses_pipeline_stages_and_bad_heads(target, heads, tmp_path) -> None:
+    from rtp.config import ParallelConfig, RtpConfig
+    from rtp.spec.eagle3 import check_eagle3_head
+
+    spec = eagle_config(heads["specforge"])
+    check_eagle3_head(RtpConfig(speculative_config=spec), target)  # fits: no error
+    with pytest.raises(ConfigError, match=r"^speculative_config.method='eagle3' is not implemented with pipeline"):
+        check_eagle3_head(RtpConfig(parallel=ParallelConfig(pipeline_parallel_size=2), speculative_config=spec),
+                          target)
+    with pytest.raises(ConfigError, match=r"is not a checkpoint folder \(no config.json there\)"):
+        check_eagle3_head(RtpConfig(speculative_config=eagle_config(tmp_path / "none")), target)
