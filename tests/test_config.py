@@ -481,8 +481,8 @@ def test_replace_settings_keeps_what_is_not_overridden() -> None:
 
 
 @pytest.mark.parametrize(("spec", "words"), [
-    ("{method: eagle3, num_speculative_tokens: 3}", "speculative_config.method='eagle3' is invalid: expected one of "
-     "ngram, draft_model ('eagle3' is not implemented yet)"),
+    ("{method: eagle3, num_speculative_tokens: 3}", "model=None is invalid: expected a draft checkpoint folder path "
+     "with speculative_config.method='eagle3'"),
     ("{method: draft_model, num_speculative_tokens: 3}", "model=None is invalid: expected a draft checkpoint "
      "folder path"),
     ("{method: medusa, num_speculative_tokens: 3}", "speculative_config.method='medusa' is invalid: expected one of "

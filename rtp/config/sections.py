@@ -242,9 +242,9 @@ class ServerConfig(Section):
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
-"""Methods ``speculative_config.method`` accepts (vLLM's names); "ngram" and "draft_model" run yet."""
+"""Methods ``speculative_config.method`` accepts (vLLM's names)."""
 
-IMPLEMENTED_SPECULATIVE_METHODS = ("ngram", "draft_model")
+IMPLEMENTED_SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,7 @@ class SpeculativeConfig(Section):
 
     method: str | None = setting(None, choice(*SPECULATIVE_METHODS, nullable=True))
     """"ngram" (prompt lookup over prompt + output), "draft_model" (a small Qwen3 with the target's
-    tokenizer), "eagle3" (not implemented yet), or None: no speculation."""
+    tokenizer), "eagle3" (an EAGLE-3 head over the target's hidden states), or None: no speculation."""
     num_speculative_tokens: int | None = setting(None, integer(1, 64, nullable=True))
     """Most draft tokens per sequence and step, in [1, 64]; required with a method."""
     prompt_lookup_min: int | None = setting(None, integer(1, 64, nullable=True))
@@ -266,8 +266,8 @@ class SpeculativeConfig(Section):
     prompt_lookup_max: int | None = setting(None, integer(1, 64, nullable=True))
     """ngram: longest suffix matched, in [prompt_lookup_min, 64]; None: max(prompt_lookup_min, 5)."""
     model: str | None = setting(None, text("a checkpoint folder path", nullable=True))
-    """draft_model: the draft checkpoint folder (same vocabulary and tokenizer as the target); required
-    with it."""
+    """draft_model: the draft checkpoint folder (same vocabulary and tokenizer as the target); eagle3: the
+    head's folder (SpecForge or speculators format); required with either."""
     draft_tensor_parallel_size: int | None = setting(None, integer(1, nullable=True))
     """draft_model: ranks the draft runs on; None or 1: rank 0 alone (the only one implemented yet; the
     target's TP size fails at start as not implemented, any other value as invalid)."""
@@ -288,7 +288,7 @@ class SpeculativeConfig(Section):
                               + f" ('{method}' is not implemented yet)")
         if values["num_speculative_tokens"] is None:
             return "num_speculative_tokens", f"an integer in [1, 64] with {key_of('method')}={method!r}"
-        if method == "draft_model" and values["model"] is None:
+        if method in ("draft_model", "eagle3") and values["model"] is None:
             return "model", f"a draft checkpoint folder path with {key_of('method')}={method!r}"
         lo, hi = values["prompt_lookup_min"], values["prompt_lookup_max"]
         if lo is not None and hi is not None and lo > hi:

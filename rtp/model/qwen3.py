@@ -169,15 +169,25 @@ class Qwen3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         # input_ids: [T]; hidden: [T, hidden] from the previous stage (later stages only)
+        return self.run(input_ids, positions, meta, hidden)[0]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+            hidden: torch.Tensor | None = None,
+            aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final hidden states [T, hidden], and the residual stream entering each decoder layer of
+        ``aux_layers`` ([T, hidden] each, in that order; Hugging Face's ``hidden_states[i]`` for layer i)."""
         if self.embed_tokens is not None:
             x = self.embed_tokens(input_ids)  # [T, hidden]
         else:
             assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
             x = hidden
         layers = self.layers
+        taken: dict[int, torch.Tensor] = {}
         for i in self.layer_range:
+            if i in aux_layers:
+                taken[i] = x
             x = layers[i](positions, x, meta)
-        return self.norm(x) if self.norm is not None else x
+        return (self.norm(x) if self.norm is not None else x), [taken[i] for i in aux_layers]
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -233,6 +243,13 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, meta, hidden)
+
+    def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                    aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states [T, hidden] and the auxiliary hidden states [T, len(aux_layers) * hidden]
+        (the residual stream entering each of ``aux_layers``, concatenated) of the whole model."""
+        hidden, aux = self.model.run(input_ids, positions, meta, None, aux_layers)
+        return hidden, torch.cat(aux, dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         assert self.lm_head is not None, "with pipeline stages only rank 0 computes logits"

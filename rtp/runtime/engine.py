@@ -173,6 +173,8 @@ class Engine:
             return changed
         self.transport(plan)
         out = self.runner.execute(plan)
+        if self.spec is not None:
+            self.spec.observe(out)
         if result.drafts is not None:
             self._step_speculative(result, out, changed)
             return changed

@@ -32,10 +32,10 @@ from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rtp.model.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSpec
 from rtp.runtime.batch import BatchInputs, BatchMirror
 from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
-from rtp.runtime.stage_output import PromptLogits, RowPlan, StageOutputs, StepOutput
+from rtp.runtime.stage_output import AuxHidden, PromptLogits, RowPlan, StageOutputs, StepOutput
 
-__all__ = ["ModelRunner", "PromptLogits", "RowPlan", "StepOutput", "load_model", "logit_rows", "resolve_dtype",
-           "row_plan"]
+__all__ = ["AuxHidden", "ModelRunner", "PromptLogits", "RowPlan", "StepOutput", "load_model", "logit_rows",
+           "resolve_dtype", "row_plan"]
 
 logger = get_logger(__name__)
 
@@ -231,6 +231,27 @@ class ModelRunner:
             self.graphs = CudaGraphs(
                 self.model, ps.device, max_batch, max_blocks, self.spec.hidden_size, self.dtype
             )
+        self.aux_layers: tuple[int, ...] = ()
+        """Decoder layers whose input hidden states rank 0's steps return (:meth:`request_aux_hidden`)."""
+
+    def request_aux_hidden(self, layers: tuple[int, ...]) -> None:
+        """Rank 0 without pipeline stages: from now on every step's StepOutput carries the hidden states
+        entering decoder ``layers`` for all its tokens (:class:`AuxHidden`; an EAGLE-3 proposer's input).
+
+        At TP > 1 the residual stream is the same on every rank, so rank 0's copy is the whole of it. Steps
+        that return them run eagerly (the decode CUDA graphs return the final hidden states only).
+        """
+        if self.ps.pp_size > 1:
+            raise ConfigError("auxiliary hidden states (EAGLE-3) are not implemented with pipeline parallelism: "
+                              "the layers they come from live on several stages")
+        bad = [i for i in layers if not 0 <= i < self.spec.num_layers]
+        if bad:
+            raise ConfigError(f"auxiliary hidden state layer {bad[0]} is out of range: the model has "
+                              f"{self.spec.num_layers} decoder layers")
+        self.aux_layers = tuple(layers)
+        if self.graphs is not None:
+            logger.info("decode steps run eagerly: they return auxiliary hidden states (not captured yet)")
+            self.graphs = None
 
     def close(self) -> None:
         """Drop the CUDA graphs: their captured NCCL work must not outlive the communicator."""
@@ -302,7 +323,12 @@ class ModelRunner:
         if self.link is not None and not self.ps.is_first_stage:
             stage_in = self.link.recv_hidden(batch.num_tokens, self.spec.hidden_size, self.dtype)  # [T, hidden]
         graphs = self.graphs if meta.decode_only else None
-        if graphs is not None and graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
+        aux = None
+        if self.aux_layers:
+            hidden, aux_states = self.model.forward_aux(ids, pos, meta, self.aux_layers)  # [T, A * hidden]
+            starts = batch.cu_seqlens_q[:-1]
+            aux = AuxHidden(list(batch.seq_ids), batch.positions[starts].tolist(), starts.tolist(), aux_states)
+        elif graphs is not None and graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
             hidden = graphs.run(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta, stage_in)  # [T, hidden]
@@ -312,13 +338,15 @@ class ModelRunner:
         if rows is None:
             # a prefill chunk that does not reach its prompt's end (the plan is the same on
             # every rank, so all skip the gather together)
-            return StepOutput()
+            return StepOutput(aux_hidden=aux)
         if self.outputs is not None:
             if self.ps.tp_rank == 0:  # every TP rank holds the same final hidden states
                 self.outputs.send(hidden[torch.from_numpy(rows.positions).to(hidden.device)])
             return StepOutput()
         logits = self._logits(hidden, rows.positions)
-        return StepOutput() if logits is None else rows.output(logits)
+        out = StepOutput() if logits is None else rows.output(logits)
+        out.aux_hidden = aux
+        return out
 
     def collect(self) -> StepOutput:
         """Rank 0 with pipeline stages: the outputs of the oldest step submitted and not collected, from the

@@ -36,17 +36,39 @@ class PromptLogits:
 
 
 @dataclass
-class StepOutput:
-    """What one step's forward pass hands rank 0's engine (other ranks get an empty one).
+class AuxHidden:
+    """Auxiliary hidden states of a step's tokens, for an EAGLE-3 proposer (rank 0, when it asks for them).
 
-    Room for what later steps produce besides logits (hidden states for an EAGLE proposer).
+    Every chunk of the step: its tokens' rows, consecutive, in batch order.
     """
+
+    seq_ids: list[int]
+    first_positions: list[int]
+    """Position of each chunk's first token."""
+    row_starts: list[int]
+    """First row of each chunk in :attr:`hidden`; chunk ``i`` ends where chunk ``i + 1`` starts."""
+    hidden: torch.Tensor
+    """[T, len(layers) * hidden]: the residual stream entering each requested layer, concatenated."""
+
+    def chunks(self) -> list[tuple[int, int, torch.Tensor]]:
+        """(seq id, first position, rows [n, len(layers) * hidden]) of every chunk."""
+        ends = self.row_starts[1:] + [self.hidden.shape[0]]
+        return [(s, p, self.hidden[a:b]) for s, p, a, b in zip(self.seq_ids, self.first_positions,
+                                                               self.row_starts, ends)]
+
+
+@dataclass
+class StepOutput:
+    """What one step's forward pass hands rank 0's engine (other ranks get an empty one)."""
 
     sample_logits: torch.Tensor | None = None
     """[S, vocab] float32: one row per sequence sampled this step, in batch order (1 + its draft count
     rows, consecutive, for a sequence verifying drafts); None when none is."""
     prompt_logits: list[PromptLogits] = field(default_factory=list)
     """One entry per sequence of ``plan.prompt_logprob_seq_ids`` in the batch, in batch order."""
+    aux_hidden: AuxHidden | None = None
+    """The step's auxiliary hidden states, when rank 0's runner was asked for them
+    (:meth:`rtp.runtime.model_runner.ModelRunner.request_aux_hidden`); else None."""
 
 
 @dataclass

@@ -44,6 +44,7 @@ from rtp.runtime.model_runner import ModelRunner
 from rtp.runtime.step_transport import StepTransport
 from rtp.runtime.worker import WorkerExit, run_worker
 from rtp.spec.draft_check import check_draft_model
+from rtp.spec.eagle3 import check_eagle3_head
 
 logger = get_logger(__name__)
 
@@ -61,6 +62,7 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
                                    data_parallel_size_local=config.parallel.data_parallel_size_local)
     setup_logging(world.rank, config.log_level, coordinator=world.rank == world.coordinator_rank)
     check_draft_model(config.speculative_config, model_dir, resolve_tp_size(config, world.world_size))
+    check_eagle3_head(config, model_dir)
     step_delay = StepDelay.from_env()
     pids = _gather_pids(world)
     heartbeat, watchdog = _start_liveness(config, world, pids)

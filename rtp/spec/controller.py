@@ -14,11 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rtp.config.sections import SpeculativeConfig
 from rtp.core.sequence import Sequence
 from rtp.log import get_logger
 from rtp.spec.proposer import NgramProposer, Proposer
+
+if TYPE_CHECKING:
+    from rtp.runtime.stage_output import StepOutput
 
 logger = get_logger(__name__)
 
@@ -107,6 +111,10 @@ class SpecController:
             return {}
         drafts = self.proposer.propose(seqs, rooms)
         return {seq.seq_id: d[:room] for seq, d, room in zip(seqs, drafts, rooms) if d}
+
+    def observe(self, out: StepOutput) -> None:
+        """Hand rank 0's output of a step to the proposer (before the step's tokens are appended)."""
+        self.proposer.observe(out)
 
     def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """One sequence verified ``num_drafted`` drafts this step and accepted the first ``num_accepted``."""

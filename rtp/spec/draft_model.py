@@ -54,10 +54,39 @@ from rtp.errors import RtpError
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend
 from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block
-from rtp.runtime.model_runner import ModelRunner, load_model
+from rtp.runtime.model_runner import ModelRunner, StepOutput, load_model
 from rtp.spec.draft_check import check_draft_model
 
 logger = get_logger(__name__)
+
+
+def chunk_metadata(chunks: list[tuple[int, int]], tables: list[np.ndarray], block_size: int,
+                   device: torch.device) -> tuple[AttnMetadata, np.ndarray, np.ndarray]:
+    """Attention metadata of a pass over ``chunks`` ((first position, length) each; its keys are every
+    position before its end) whose block tables are ``tables``: (metadata, positions [T], cu_q [B])."""
+    bs = block_size
+    q = np.array([n for _, n in chunks], dtype=np.int64)  # [B]
+    start = np.array([s for s, _ in chunks], dtype=np.int64)  # [B]
+    end = start + q  # [B] keys per chunk
+    owner = np.repeat(np.arange(len(chunks)), q)  # [T] chunk of each flat token
+    cu_q = np.add.accumulate(q)  # [B]
+    positions = start[owner] + np.arange(int(cu_q[-1])) - (cu_q - q)[owner]  # [T]
+    width = int(-(-end.max() // bs))  # blocks the longest chunk reads
+    table = np.zeros((len(chunks), width), dtype=np.int64)  # [B, width]
+    for i, blocks in enumerate(tables):
+        row = blocks[:width]
+        table[i, : len(row)] = row
+    slots = table[owner, positions // bs] * bs + positions % bs  # [T]
+    cu = np.zeros((2, len(chunks) + 1), dtype=np.int32)  # [2, B + 1]: query and key offsets
+    cu[0, 1:], cu[1, 1:] = cu_q, np.add.accumulate(end)
+    cu_t = torch.from_numpy(cu).to(device)
+    meta = AttnMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device), cu_seqlens_q=cu_t[0], cu_seqlens_k=cu_t[1],
+        context_lens=torch.from_numpy(end.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(table.astype(np.int32)).to(device),
+        max_seqlen_q=int(q.max()), max_seqlen_k=int(end.max()), q_lens=q.tolist(), k_lens=end.tolist(),
+    )
+    return meta, positions, cu_q
 
 
 class DraftModelProposer:
@@ -109,6 +138,9 @@ class DraftModelProposer:
         """Positions of ``seq_id`` whose draft KV the proposer holds (0 for a sequence it does not know)."""
         return self._computed.get(seq_id, 0)
 
+    def observe(self, out: StepOutput) -> None:
+        pass
+
     def sync(self, running: list[Sequence]) -> None:
         """Forget the sequences no longer running (finished, aborted, preempted)."""
         if self._computed:
@@ -158,29 +190,10 @@ class DraftModelProposer:
                  wanted: list[bool], seqs: list[Sequence]) -> list[int]:
         """One draft forward pass over ``chunks`` (writing their KV); the argmax after each wanted chunk,
         among the request's ``allowed_token_ids`` when it has them (other drafts would be rejected)."""
-        bs, dev = self.block_size, self.device
-        q = np.array([len(toks) for _, _, toks in chunks], dtype=np.int64)  # [B]
-        start = np.array([s for _, s, _ in chunks], dtype=np.int64)  # [B]
-        end = start + q  # [B] keys per chunk
-        owner = np.repeat(np.arange(len(chunks)), q)  # [T] chunk of each flat token
-        cu_q = np.add.accumulate(q)  # [B]
-        positions = start[owner] + np.arange(int(cu_q[-1])) - (cu_q - q)[owner]  # [T]
-        width = int(-(-end.max() // bs))  # blocks the longest chunk reads
-        table = np.zeros((len(chunks), width), dtype=np.int64)  # [B, width]
-        for i, (b, _, _) in enumerate(chunks):
-            row = tables[b][:width]
-            table[i, : len(row)] = row
-        slots = table[owner, positions // bs] * bs + positions % bs  # [T]
+        dev = self.device
+        meta, positions, cu_q = chunk_metadata([(start, len(toks)) for _, start, toks in chunks],
+                                               [tables[b] for b, _, _ in chunks], self.block_size, dev)
         ids = np.concatenate([np.asarray(toks, dtype=np.int64) for _, _, toks in chunks])  # [T]
-        cu = np.zeros((2, len(chunks) + 1), dtype=np.int32)  # [2, B + 1]: query and key offsets
-        cu[0, 1:], cu[1, 1:] = cu_q, np.add.accumulate(end)
-        cu_t = torch.from_numpy(cu).to(dev)
-        meta = AttnMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev), cu_seqlens_q=cu_t[0], cu_seqlens_k=cu_t[1],
-            context_lens=torch.from_numpy(end.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(table.astype(np.int32)).to(dev),
-            max_seqlen_q=int(q.max()), max_seqlen_k=int(end.max()), q_lens=q.tolist(), k_lens=end.tolist(),
-        )
         hidden = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta)  # [T, H]
         rows = (cu_q - 1)[np.asarray(wanted, dtype=bool)]  # [R] last token of each wanted chunk
         if len(rows) == 0:

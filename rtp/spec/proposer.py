@@ -4,7 +4,8 @@ The controller picks the sequences that draft in a step and how many tokens each
 *room*); a proposer turns them into draft tokens, all at once (a draft model batches them into one
 forward pass per draft position). ``sync`` sees every engine step's running sequences before the
 controller decides anything, so a proposer with per-sequence state (the draft model's KV progress)
-can drop what a finished or preempted sequence left.
+can drop what a finished or preempted sequence left; ``observe`` sees every step's output (an EAGLE-3
+head takes the target's auxiliary hidden states from it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from rtp.spec.ngram import ngram_propose
 if TYPE_CHECKING:
     from rtp.config import RtpConfig
     from rtp.runtime.model_runner import ModelRunner
+    from rtp.runtime.stage_output import StepOutput
 
 
 class Proposer(Protocol):
@@ -25,6 +27,9 @@ class Proposer(Protocol):
 
     def sync(self, running: list[Sequence]) -> None:
         """Called once per engine step with the running sequences, before :meth:`propose`."""
+
+    def observe(self, out: StepOutput) -> None:
+        """Called with rank 0's output of every step, before the step's tokens are appended."""
 
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
         """Per sequence, at most ``rooms[i]`` (>= 1) draft tokens continuing ``seqs[i].token_ids`` (may be [])."""
@@ -37,6 +42,9 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def sync(self, running: list[Sequence]) -> None:
+        pass
+
+    def observe(self, out: StepOutput) -> None:
         pass
 
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
@@ -52,4 +60,8 @@ def build_proposer(config: RtpConfig, runner: ModelRunner, model_dir: Path) -> P
         from rtp.spec.draft_model import DraftModelProposer  # torch and the model code: only when used
 
         return DraftModelProposer.for_target(config, runner, model_dir)
+    if spec.method == "eagle3":
+        from rtp.spec.eagle3 import Eagle3Proposer
+
+        return Eagle3Proposer.for_target(config, runner, model_dir)
     raise ValueError(f"speculative_config.method={spec.method!r} has no proposer")

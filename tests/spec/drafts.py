@@ -8,6 +8,7 @@ the reject paths run. Both are cached next to the default tiny model.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -57,3 +58,54 @@ def noisy_draft(noise: float = NOISE) -> Path:
             save_file(tensors, f, metadata={"format": "pt"})
 
     return _build_once(target.parent / f"{target.name}-draft-noisy-{noise}", build)
+
+
+def write_eagle3_head(out: Path, target: Path, *, fmt: str = "specforge", draft_vocab: int = 128,
+                      aux_layers: list[int] | None = None, seed: int = 5, scale: float = 1.0) -> Path:
+    """A random EAGLE-3 head for the Qwen3 in ``target``, in SpecForge's or the speculators format.
+
+    One layer of the target's hidden size (the embedding is shared), 4 heads of 2 KV heads, a draft
+    vocabulary of the first ``draft_vocab`` odd token ids (d2t holds the offsets); ``scale`` multiplies
+    the random weights' standard deviation.
+    """
+    cfg = json.loads((target / "config.json").read_text())
+    h, vocab, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    heads, kv, d, inter = 4, 2, h // 4, 2 * h
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * scale / shape[-1] ** 0.5
+
+    p = "midlayer." if fmt == "specforge" else "layers.0."
+    ids = torch.arange(draft_vocab) * 2 + 1  # draft id i -> target id 2i + 1
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    tensors = {
+        "fc.weight": rand(h, 3 * h), "norm.weight": 1 + 0.1 * rand(h), "lm_head.weight": rand(draft_vocab, h),
+        "d2t": ids - torch.arange(draft_vocab), "t2d": t2d,
+        p + "input_layernorm.weight": 1 + 0.1 * rand(h), p + "hidden_norm.weight": 1 + 0.1 * rand(h),
+        p + "post_attention_layernorm.weight": 1 + 0.1 * rand(h),
+        p + "self_attn.q_proj.weight": rand(heads * d, 2 * h), p + "self_attn.k_proj.weight": rand(kv * d, 2 * h),
+        p + "self_attn.v_proj.weight": rand(kv * d, 2 * h), p + "self_attn.o_proj.weight": rand(h, heads * d),
+        p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+        p + "mlp.down_proj.weight": rand(h, inter),
+    }
+    layer = {"model_type": "llama", "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": kv,
+             "head_dim": d, "intermediate_size": inter, "rms_norm_eps": 1e-6, "vocab_size": vocab,
+             "max_position_embeddings": cfg["max_position_embeddings"], "rope_theta": 10000.0}
+    aux = aux_layers if aux_layers is not None else [min(i, layers - 1) for i in (0, layers // 2, layers - 1)]
+    if fmt == "specforge":
+        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}
+    else:
+        tensors["fc.bias"] = rand(h)
+        tensors["embed_tokens.weight"] = rand(vocab, h)
+        config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                  "transformer_layer_config": layer, "draft_vocab_size": draft_vocab, "norm_before_residual": True,
+                  "target_hidden_size": h, "eagle_aux_hidden_state_layer_ids": aux,
+                  "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                         "verifier": {"name_or_path": str(target)}}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors")
+    return out

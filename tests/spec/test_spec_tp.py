@@ -1,4 +1,4 @@
-"""Speculative decoding at TP = 2 (torchrun, gloo), n-gram and draft model: greedy output equals HF
+"""Speculative decoding at TP = 2 (torchrun, gloo), n-gram, draft model and EAGLE-3: greedy output equals HF
 transformers', with chunked prefill and preemption, and the worker rank's mirror follows every rollback
 of rejected drafts."""
 
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rtp.testing import default_model_dir
-from tests.spec.drafts import noisy_draft
+from tests.spec.drafts import noisy_draft, write_eagle3_head
 from tests.utils import WORKERS, hf_greedy, torchrun
 
 WORKER = WORKERS / "spec_decode.py"
@@ -54,3 +54,17 @@ def test_tp2_greedy_with_a_draft_model_equals_hf(tmp_path):
     stats = out["stats"]
     assert stats["num_preemptions"] > 0
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]  # accepted and rejected drafts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tp2_greedy_with_an_eagle3_head_equals_hf(tmp_path):
+    """The head runs on rank 0 from rank 0's auxiliary hidden states (the residual stream is replicated) and
+    its own copy of the target's embedding (rank 0 holds only a vocabulary shard of it)."""
+    head = write_eagle3_head(tmp_path / "head", default_model_dir())
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 40, 70, 23)]
+    out = _tp2_greedy_equals_hf(tmp_path, prompts, f"  method: eagle3\n  model: {head}\n"
+                                "  num_speculative_tokens: 3\n  min_acceptance_rate: 0.0\n")
+    stats = out["stats"]
+    assert stats["num_preemptions"] > 0 and stats["spec_num_draft_tokens"] > 100

@@ -1,0 +1,242 @@
+"""EAGLE-3 proposer: a head (:mod:`rtp.spec.eagle3_head`) drafts ``k`` tokens greedily on rank 0 from the
+target's auxiliary hidden states.
+
+Where it runs: on rank 0, like the draft model (:mod:`rtp.spec.draft_model`), before the step is
+scheduled; its drafts travel in the step plan, and verification is the one every proposer shares, so
+outputs are exactly the target's. Rank 0's runner returns the hidden states entering the head's
+layers for every token of every step (:meth:`ModelRunner.request_aux_hidden`; at TP > 1 the residual
+stream is replicated, so rank 0 has all of it); ``observe`` turns them into the head's features
+(``fc``) and keeps them per sequence until the head has read them.
+
+Positions. The head at position ``p`` reads the token at ``p + 1`` and the feature of ``p``, and its
+output there predicts the token at ``p + 2``. A sequence with ``L`` known tokens has target hidden
+states for positions ``< L - 1`` (the last token is this step's input), so a proposal first catches
+the head's KV up on positions ``[computed, L - 1)`` (the pass that reaches ``L - 2`` gives the first
+draft), then runs ``k - 1`` one-token steps at ``L - 1, L, ...`` whose features are the head's own
+previous outputs. Afterwards only positions ``< L - 1`` in real blocks count as computed; the draft
+positions' KV is overwritten next time, from the target's hidden states of the verified tokens.
+
+KV cache and forgetting: as the draft model's (its own paged cache indexed by the target's block
+ids, scratch blocks past a sequence's allocation; a sequence that leaves ``running`` is forgotten).
+Positions whose target hidden states never reached rank 0 (a prefix-cache hit: the target skipped
+them) get zero features: the head still sees their tokens, drafts there are merely worse.
+
+Memory: a sequence's features ([positions, H], after ``fc``) are kept from its first chunk until the
+head has read them, so a sequence that does not draft for long (a batch above ``disable_by_batch_size``)
+holds one H-wide row per token it has computed meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rtp.config import RtpConfig
+from rtp.core.sequence import Sequence
+from rtp.errors import ConfigError, RtpError
+from rtp.log import get_logger
+from rtp.model.attention import choose_attn_backend
+from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block
+from rtp.runtime.model_runner import ModelRunner, StepOutput
+from rtp.spec.draft_model import chunk_metadata
+from rtp.spec.eagle3_head import Eagle3Checkpoint, Eagle3Head
+
+logger = get_logger(__name__)
+
+
+def target_embedding(model_dir: Path) -> torch.Tensor:
+    """The target's whole input embedding [vocab, H], read from its checkpoint (for TP > 1, where rank 0
+    holds only a vocabulary shard)."""
+    from safetensors import safe_open
+
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            if "model.embed_tokens.weight" in st.keys():  # noqa: SIM118 - safe_open has no __contains__
+                return st.get_tensor("model.embed_tokens.weight")
+    raise ConfigError(f"the target in {model_dir} has no model.embed_tokens.weight for the EAGLE-3 head")
+
+
+def open_head(head_dir: Path, target_dir: Path) -> Eagle3Checkpoint:
+    """The EAGLE-3 head in ``head_dir``, checked against the target in ``target_dir`` (ConfigError: one line)."""
+    if not (head_dir / "config.json").is_file():
+        raise ConfigError(f"speculative_config.model={str(head_dir)!r} is not a checkpoint folder (no config.json "
+                          "there); give a local folder: rtp never downloads from a model hub")
+    return Eagle3Checkpoint.open(head_dir, json.loads((target_dir / "config.json").read_text()))
+
+
+def check_eagle3_head(config: RtpConfig, target_dir: Path) -> None:
+    """Start-up check on every rank, before any model loads: the head of ``speculative_config`` (method
+    eagle3) fits the target in ``target_dir`` and pipeline parallelism is off (ConfigError: one line)."""
+    spec = config.speculative_config
+    if spec.method != "eagle3":
+        return
+    assert spec.model is not None, "the config rule requires a model with eagle3"
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ConfigError("speculative_config.method='eagle3' is not implemented with pipeline parallelism: the "
+                          "hidden states it reads come from layers on several stages")
+    open_head(Path(spec.model).expanduser(), target_dir)
+
+
+class Eagle3Proposer:
+    """Greedy drafts from an EAGLE-3 head on rank 0 (see the module docstring)."""
+
+    def __init__(self, ckpt: Eagle3Checkpoint, runner: ModelRunner, embed: torch.Tensor | None, *, k: int,
+                 max_batch: int, max_pass_tokens: int) -> None:
+        self.device, self.block_size, self.num_blocks = runner.ps.device, runner.block_size, runner.num_blocks
+        self.max_pass_tokens = max(1, max_pass_tokens)
+        self.head: Eagle3Head = ckpt.build(self.device, runner.dtype, embed, runner.max_model_len + k)
+        self.head.attn.backend = choose_attn_backend(self.device, runner.dtype)
+        self.scratch = -(-k // self.block_size) + 1
+        self.max_batch = max_batch
+        total = self.num_blocks + max_batch * self.scratch
+        need = bytes_per_block([self.head.attn], self.block_size, runner.dtype) * total
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > free:
+                raise RtpError(f"the EAGLE-3 head's KV cache needs {need / 2**30:.2f} GiB on rank 0 and "
+                               f"{free / 2**30:.2f} GiB is free: lower cache.gpu_memory_utilization")
+        allocate_kv_cache([self.head.attn], total, self.block_size, runner.dtype, self.device)
+        # Target-id -> draft-id map (-1: not in the draft vocabulary), for allowed_token_ids.
+        d2t = self.head.draft_to_target
+        self.target_to_draft = torch.full((ckpt.spec.vocab_size,), -1, dtype=torch.long, device=self.device)
+        self.target_to_draft[d2t] = torch.arange(len(d2t), device=self.device)
+        runner.request_aux_hidden(ckpt.aux_layers)
+        logger.info("EAGLE-3 head %s (%s format): draft vocabulary %d, hidden states of layers %s, KV cache of "
+                    "%d + %d scratch blocks (%.1f MiB) on rank 0", ckpt.spec.folder, ckpt.spec.format,
+                    ckpt.spec.draft_vocab_size, list(ckpt.aux_layers), self.num_blocks, total - self.num_blocks,
+                    need / 2**20)
+        self._computed: dict[int, int] = {}  # seq_id -> positions whose head KV is in its current blocks
+        self._feats: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, features [n, H])
+
+    @classmethod
+    def for_target(cls, config: RtpConfig, runner: ModelRunner, model_dir: Path) -> Eagle3Proposer:
+        spec = config.speculative_config
+        assert spec.model is not None and spec.num_speculative_tokens is not None
+        ckpt = open_head(Path(spec.model).expanduser(), model_dir)
+        embed = None
+        if "embed_tokens.weight" not in ckpt.tensors:
+            # TP 1: the target's own embedding tensor; else rank 0 holds a shard, so read the whole one.
+            own = runner.model.model.embed_tokens
+            embed = own.weight if runner.ps.tp_size == 1 and own is not None else target_embedding(model_dir)
+        max_batch = min(config.scheduler.max_num_seqs, spec.disable_by_batch_size or config.scheduler.max_num_seqs)
+        return cls(ckpt, runner, embed, k=spec.num_speculative_tokens,
+                   max_batch=max_batch, max_pass_tokens=config.scheduler.max_num_batched_tokens)
+
+    def num_computed(self, seq_id: int) -> int:
+        """Positions of ``seq_id`` whose head KV the proposer holds (0 for a sequence it does not know)."""
+        return self._computed.get(seq_id, 0)
+
+    def sync(self, running: list[Sequence]) -> None:
+        """Forget the sequences no longer running (finished, aborted, preempted)."""
+        live = {s.seq_id for s in running}
+        self._computed = {i: n for i, n in self._computed.items() if i in live}
+        self._feats = {i: f for i, f in self._feats.items() if i in live}
+
+    @torch.inference_mode()
+    def observe(self, out: StepOutput) -> None:
+        """Keep the features of the step's tokens, per sequence (a chunk replaces what it overlaps)."""
+        aux = out.aux_hidden
+        if aux is None:
+            return
+        feats = self.head.features(aux.hidden)  # [T, H]
+        ends = aux.row_starts[1:] + [feats.shape[0]]
+        for seq_id, first, a, b in zip(aux.seq_ids, aux.first_positions, aux.row_starts, ends):
+            rows = feats[a:b]
+            old = self._feats.get(seq_id)
+            if old is not None and old[0] <= first <= old[0] + old[1].shape[0]:
+                rows = torch.cat([old[1][: first - old[0]], rows])
+                first = old[0]
+            self._feats[seq_id] = (first, rows)
+
+    def _feature_rows(self, seq_id: int, start: int, n: int) -> torch.Tensor:
+        """Features of positions ``[start, start + n)`` [n, H]; zeros where none arrived."""
+        known = self._feats.get(seq_id)
+        if known is not None:
+            first, rows = known
+            if first <= start and start + n <= first + rows.shape[0]:
+                return rows[start - first : start - first + n]
+        out = torch.zeros(n, self.head.spec.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
+        if known is not None:
+            lo, hi = max(start, first), min(start + n, first + rows.shape[0])
+            if lo < hi:
+                out[lo - start : hi - start] = rows[lo - first : hi - first]
+        return out
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
+        """Up to ``rooms[i]`` greedy draft tokens for each decoding sequence ``seqs[i]``."""
+        bs = self.block_size
+        assert len(seqs) <= self.max_batch, (len(seqs), self.max_batch)
+        tables = [np.array(s.block_table + [self.num_blocks + b * self.scratch + j for j in range(self.scratch)],
+                           dtype=np.int64) for b, s in enumerate(seqs)]
+        lengths = [len(s.token_ids) for s in seqs]
+        # Head positions to compute: [pos, L - 1); a sequence of one token has no target hidden state yet.
+        pos = [min(self._computed.get(s.seq_id, 0), n - 2) if n >= 2 else n - 1 for s, n in zip(seqs, lengths)]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        last: dict[int, torch.Tensor] = {}  # batch row -> the head's output at its latest position [H]
+        while True:
+            chunks: list[tuple[int, int, list[int], torch.Tensor]] = []  # (row, first position, tokens, feats)
+            left = self.max_pass_tokens
+            for b, seq in enumerate(seqs):
+                if pos[b] < lengths[b] - 1 and left > 0:
+                    n = min(lengths[b] - 1 - pos[b], left)
+                    chunks.append((b, pos[b], seq.token_ids[pos[b] + 1 : pos[b] + 1 + n],
+                                   self._feature_rows(seq.seq_id, pos[b], n)))
+                    left -= n
+            if not chunks:
+                break
+            wanted = [start + len(toks) == lengths[b] - 1 for b, start, toks, _ in chunks]
+            outs = iter(self._forward(chunks, tables, wanted, seqs))
+            for (b, start, toks, _), want in zip(chunks, wanted):
+                pos[b] = start + len(toks)
+                if want:
+                    tok, out = next(outs)
+                    drafts[b].append(tok)
+                    last[b] = out
+        for i in range(1, max(rooms)):
+            chunks = [(b, lengths[b] - 2 + i, [drafts[b][-1]], last[b][None]) for b in range(len(seqs))
+                      if rooms[b] > i and b in last]
+            if not chunks:
+                break
+            for (b, _, _, _), (tok, out) in zip(chunks, self._forward(chunks, tables, [True] * len(chunks), seqs)):
+                drafts[b].append(tok)
+                last[b] = out
+        for seq, n in zip(seqs, lengths):
+            done = min(max(n - 1, 0), len(seq.block_table) * bs)  # draft positions never count
+            self._computed[seq.seq_id] = done
+            known = self._feats.get(seq.seq_id)
+            keep = min(done, n - 2)  # the last known position's feature: a proposal at the same length redoes it
+            if known is not None and keep > known[0]:
+                self._feats[seq.seq_id] = (keep, known[1][keep - known[0] :])
+        return drafts
+
+    def _forward(self, chunks: list[tuple[int, int, list[int], torch.Tensor]], tables: list[np.ndarray],
+                 wanted: list[bool], seqs: list[Sequence]) -> list[tuple[int, torch.Tensor]]:
+        """One head pass over ``chunks`` (writing their KV): after each wanted chunk, its greedy draft (a
+        target id; among the request's ``allowed_token_ids`` when it has them) and its output [H]."""
+        dev = self.device
+        meta, positions, cu_q = chunk_metadata([(start, len(toks)) for _, start, toks, _ in chunks],
+                                               [tables[b] for b, _, _, _ in chunks], self.block_size, dev)
+        ids = torch.from_numpy(np.concatenate([np.asarray(toks, dtype=np.int64) for _, _, toks, _ in chunks]))
+        feats = torch.cat([f for _, _, _, f in chunks])  # [T, H]
+        out = self.head(ids.to(dev), torch.from_numpy(positions).to(dev), feats, meta)  # [T, H]
+        rows = (cu_q - 1)[np.asarray(wanted, dtype=bool)]  # [R] last token of each wanted chunk
+        if len(rows) == 0:
+            return []
+        picked = out[torch.from_numpy(rows).to(dev)]  # [R, H]
+        logits = self.head.logits(picked)  # [R, draft vocab]
+        owners = [b for (b, _, _, _), want in zip(chunks, wanted) if want]  # [R] batch row of each logits row
+        for r, b in enumerate(owners):
+            allowed = seqs[b].params.allowed_token_ids
+            if allowed is not None:
+                keep = self.target_to_draft[torch.tensor(allowed, device=dev)]
+                keep = keep[keep >= 0]
+                if len(keep):
+                    masked = torch.full_like(logits[r], float("-inf"))
+                    masked[keep] = logits[r, keep]
+                    logits[r] = masked
+        tokens = self.head.draft_to_target[logits.argmax(dim=-1)].tolist()
+        return list(zip(tokens, picked.unbind(0)))
