@@ -7,6 +7,7 @@ needs it; layers never call ``dist.get_rank()`` or read the environment.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -387,6 +388,13 @@ class ParallelState:
             except RuntimeError as e:
                 logger.debug("no barrier before teardown: %s", e)
             dist.destroy_process_group()
+        # destroy_process_group() only makes torch.distributed forget the groups: each C++ group, with
+        # gloo's worker threads, lives while anything holds it. Left to the interpreter's exit, its last
+        # tensors are freed after Python is gone and the process can abort ("terminate called without an
+        # active exception"). Dropping this view's references frees them now.
+        self.tp_group = self.cpu_group = self.node_group = self.leader_group = self.dp_group = None
+        self._replica_groups = None
+        gc.collect()
         if self.node_reduce is not None:
             self.node_reduce.close()
             self.node_reduce = None
