@@ -52,12 +52,45 @@ from rtp.core.sequence import Sequence
 from rtp.distributed.parallel import ParallelState
 from rtp.errors import RtpError
 from rtp.log import get_logger
-from rtp.model.attention import AttnMetadata, choose_attn_backend
+from rtp.model.attention import AttnMetadata, PagedAttention, choose_attn_backend
 from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 from rtp.runtime.model_runner import ModelRunner, StepOutput, load_model
 from rtp.spec.draft_check import check_draft_model
 
 logger = get_logger(__name__)
+
+
+def drafting_batch(config: RtpConfig) -> int:
+    """Most sequences a proposer drafts for at once: the controller drafts for at most disable_by_batch_size."""
+    spec, most = config.speculative_config, config.scheduler.max_num_seqs
+    return min(most, spec.disable_by_batch_size or most)
+
+
+def allocate_draft_cache(layers: list[PagedAttention], what: str, *, num_blocks: int, block_size: int,
+                         max_batch: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """Give a proposer's attention ``layers`` a paged cache of the target's ``num_blocks`` blocks plus scratch
+    blocks for ``max_batch`` drafting sequences; returns (scratch blocks per sequence, bytes).
+
+    Draft positions L .. L + k - 2 may lie past a sequence's allocated blocks (which cover >= L - 1
+    positions): ``ceil(k / block_size) + 1`` scratch blocks each cover them.
+    """
+    scratch = -(-k // block_size) + 1
+    total = num_blocks + max_batch * scratch
+    need = bytes_per_block(layers, block_size, dtype) * total
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if need > free:
+            raise RtpError(
+                f"the {what}'s KV cache needs {need / 2**30:.2f} GiB on rank 0 and {free / 2**30:.2f} GiB is free: "
+                f"lower cache.gpu_memory_utilization (the target's cache is sized without the {what})")
+    allocate_kv_cache(layers, total, block_size, dtype, device)
+    return scratch, need
+
+
+def scratch_tables(seqs: list[Sequence], num_blocks: int, scratch: int) -> list[np.ndarray]:
+    """Each drafting sequence's block table followed by its batch row's scratch blocks."""
+    return [np.array(s.block_table + [num_blocks + b * scratch + j for j in range(scratch)], dtype=np.int64)
+            for b, s in enumerate(seqs)]
 
 
 def chunk_metadata(chunks: list[tuple[int, int]], tables: list[np.ndarray], block_size: int,
@@ -104,20 +137,11 @@ class DraftModelProposer:
         backend = choose_attn_backend(device, dtype)
         for attn in layers:
             attn.backend = backend
-        # Draft positions L .. L + k - 2 may lie past the allocated blocks (which cover >= L - 1 positions).
-        self.scratch = -(-k // block_size) + 1
         self.max_batch = max_batch
-        total = num_blocks + max_batch * self.scratch
-        need = bytes_per_block(layers, block_size, dtype) * total
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            if need > free:
-                raise RtpError(
-                    f"the draft model's KV cache needs {need / 2**30:.2f} GiB on rank 0 and {free / 2**30:.2f} GiB "
-                    "is free: lower cache.gpu_memory_utilization (the target's cache is sized without the draft)")
-        allocate_kv_cache(layers, total, block_size, dtype, device)
+        self.scratch, need = allocate_draft_cache(layers, "draft model", num_blocks=num_blocks, block_size=block_size,
+                                                  max_batch=max_batch, k=k, dtype=dtype, device=device)
         logger.info("draft model %s: %d layers, KV cache of %d + %d scratch blocks (%.1f MiB) on rank 0",
-                    model_dir, self.model.spec.num_layers, num_blocks, total - num_blocks, need / 2**20)
+                    model_dir, self.model.spec.num_layers, num_blocks, max_batch * self.scratch, need / 2**20)
         self._computed: dict[int, int] = {}  # seq_id -> positions whose draft KV is in its current blocks
 
     @classmethod
@@ -128,10 +152,8 @@ class DraftModelProposer:
         check_draft_model(spec, model_dir, runner.ps.tp_size)
         assert spec.model is not None and spec.num_speculative_tokens is not None
         k = spec.num_speculative_tokens
-        # The controller drafts for at most disable_by_batch_size sequences at once: scratch rows for those.
-        max_batch = min(config.scheduler.max_num_seqs, spec.disable_by_batch_size or config.scheduler.max_num_seqs)
         return cls(Path(spec.model).expanduser(), runner.ps.device, runner.dtype, block_size=runner.block_size,
-                   num_blocks=runner.num_blocks, max_batch=max_batch, k=k,
+                   num_blocks=runner.num_blocks, max_batch=drafting_batch(config), k=k,
                    max_positions=runner.max_model_len + k, max_pass_tokens=config.scheduler.max_num_batched_tokens)
 
     def num_computed(self, seq_id: int) -> int:
@@ -152,8 +174,7 @@ class DraftModelProposer:
         """``rooms[i]`` greedy draft tokens for each decoding sequence ``seqs[i]``."""
         bs = self.block_size
         assert len(seqs) <= self.max_batch, (len(seqs), self.max_batch)
-        tables = [np.array(s.block_table + [self.num_blocks + b * self.scratch + j for j in range(self.scratch)],
-                           dtype=np.int64) for b, s in enumerate(seqs)]
+        tables = scratch_tables(seqs, self.num_blocks, self.scratch)
         lengths = [len(s.token_ids) for s in seqs]
         pos = [min(self._computed.get(s.seq_id, 0), n - 1) for s, n in zip(seqs, lengths)]
         for b, (n, room) in enumerate(zip(lengths, rooms)):

@@ -36,12 +36,11 @@ import torch
 
 from rtp.config import RtpConfig
 from rtp.core.sequence import Sequence
-from rtp.errors import ConfigError, RtpError
+from rtp.errors import ConfigError
 from rtp.log import get_logger
 from rtp.model.attention import choose_attn_backend
-from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 from rtp.runtime.model_runner import ModelRunner, StepOutput
-from rtp.spec.draft_model import chunk_metadata
+from rtp.spec.draft_model import allocate_draft_cache, chunk_metadata, drafting_batch, scratch_tables
 from rtp.spec.eagle3_head import Eagle3Checkpoint, Eagle3Head
 
 logger = get_logger(__name__)
@@ -89,16 +88,10 @@ class Eagle3Proposer:
         self.max_pass_tokens = max(1, max_pass_tokens)
         self.head: Eagle3Head = ckpt.build(self.device, runner.dtype, embed, runner.max_model_len + k)
         self.head.attn.backend = choose_attn_backend(self.device, runner.dtype)
-        self.scratch = -(-k // self.block_size) + 1
         self.max_batch = max_batch
-        total = self.num_blocks + max_batch * self.scratch
-        need = bytes_per_block([self.head.attn], self.block_size, runner.dtype) * total
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            if need > free:
-                raise RtpError(f"the EAGLE-3 head's KV cache needs {need / 2**30:.2f} GiB on rank 0 and "
-                               f"{free / 2**30:.2f} GiB is free: lower cache.gpu_memory_utilization")
-        allocate_kv_cache([self.head.attn], total, self.block_size, runner.dtype, self.device)
+        self.scratch, need = allocate_draft_cache(
+            [self.head.attn], "EAGLE-3 head", num_blocks=self.num_blocks, block_size=self.block_size,
+            max_batch=max_batch, k=k, dtype=runner.dtype, device=self.device)
         # Target-id -> draft-id map (-1: not in the draft vocabulary), for allowed_token_ids.
         d2t = self.head.draft_to_target
         self.target_to_draft = torch.full((ckpt.spec.vocab_size,), -1, dtype=torch.long, device=self.device)
@@ -106,7 +99,7 @@ class Eagle3Proposer:
         runner.request_aux_hidden(ckpt.aux_layers)
         logger.info("EAGLE-3 head %s (%s format): draft vocabulary %d, hidden states of layers %s, KV cache of "
                     "%d + %d scratch blocks (%.1f MiB) on rank 0", ckpt.spec.folder, ckpt.spec.format,
-                    ckpt.spec.draft_vocab_size, list(ckpt.aux_layers), self.num_blocks, total - self.num_blocks,
+                    ckpt.spec.draft_vocab_size, list(ckpt.aux_layers), self.num_blocks, max_batch * self.scratch,
                     need / 2**20)
         self._computed: dict[int, int] = {}  # seq_id -> positions whose head KV is in its current blocks
         self._feats: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, features [n, H])
@@ -121,9 +114,8 @@ class Eagle3Proposer:
             # TP 1: the target's own embedding tensor; else rank 0 holds a shard, so read the whole one.
             own = runner.model.model.embed_tokens
             embed = own.weight if runner.ps.tp_size == 1 and own is not None else target_embedding(model_dir)
-        max_batch = min(config.scheduler.max_num_seqs, spec.disable_by_batch_size or config.scheduler.max_num_seqs)
         return cls(ckpt, runner, embed, k=spec.num_speculative_tokens,
-                   max_batch=max_batch, max_pass_tokens=config.scheduler.max_num_batched_tokens)
+                   max_batch=drafting_batch(config), max_pass_tokens=config.scheduler.max_num_batched_tokens)
 
     def num_computed(self, seq_id: int) -> int:
         """Positions of ``seq_id`` whose head KV the proposer holds (0 for a sequence it does not know)."""
@@ -170,8 +162,7 @@ class Eagle3Proposer:
         """Up to ``rooms[i]`` greedy draft tokens for each decoding sequence ``seqs[i]``."""
         bs = self.block_size
         assert len(seqs) <= self.max_batch, (len(seqs), self.max_batch)
-        tables = [np.array(s.block_table + [self.num_blocks + b * self.scratch + j for j in range(self.scratch)],
-                           dtype=np.int64) for b, s in enumerate(seqs)]
+        tables = scratch_tables(seqs, self.num_blocks, self.scratch)
         lengths = [len(s.token_ids) for s in seqs]
         # Head positions to compute: [pos, L - 1); a sequence of one token has no target hidden state yet.
         pos = [min(self._computed.get(s.seq_id, 0), n - 2) if n >= 2 else n - 1 for s, n in zip(seqs, lengths)]
