@@ -78,6 +78,16 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8
   });
 }
 
+// y[m, n0 + c] = acc[m, c] * sw[n0 + c] + bias[n0 + c] for the nc outputs of a panel pair (acc: [M, 2 * NR]).
+static void store_outputs(const float* acc, int64_t M, int64_t N, int64_t n0, int64_t nc, const float* sw,
+                          const float* bias, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* yr = y + m * N + n0;
+    const float* ar = acc + m * 2 * NR;
+    for (int64_t c = 0; c < nc; ++c) yr[c] = ar[c] * sw[n0 + c] + (bias != nullptr ? bias[n0 + c] : 0.f);
+  }
+}
+
 // acc[r] (32 floats: output row r of two panels) += sx[r, g] * (xq[r, group g] . each panel's group g), for
 // R rows; TWO = false: the second panel is absent (an odd count). Two panels per tile halve the broadcasts
 // per multiply: one 4-byte broadcast feeds two vpdpbusd.
@@ -159,11 +169,7 @@ static void gemm_block(const int8_t* xq, const float* sx, const int32_t* xs, con
           else tile_rows<false>(rows, xr, Kp, sx + m0 * G + g, xs + m0 * G + g, G, w0, w0, k4n, ar, pf0, pf0, n);
         }
       }
-      for (int64_t m = 0; m < M; ++m) {
-        float* yr = y + m * N + n0;
-        const float* ar = acc.data() + m * 2 * NR;
-        for (int64_t c = 0; c < nc; ++c) yr[c] = ar[c] * sw[n0 + c] + (bias != nullptr ? bias[n0 + c] : 0.f);
-      }
+      store_outputs(acc.data(), M, N, n0, nc, sw, bias, y);
     }
   });
 }
@@ -232,11 +238,7 @@ static void amx_block(const int8_t* xq, const float* sx, const int32_t* xs, cons
           }
         }
       }
-      for (int64_t m = 0; m < M; ++m) {
-        float* yr = y + m * N + n0;
-        const float* ar = acc.data() + m * 2 * NR;
-        for (int64_t c = 0; c < nc; ++c) yr[c] = ar[c] * sw[n0 + c] + (bias != nullptr ? bias[n0 + c] : 0.f);
-      }
+      store_outputs(acc.data(), M, N, n0, nc, sw, bias, y);
     }
     _tile_release();
   });
