@@ -18,6 +18,13 @@ keys block by block (causal, so a chunk reads only the keys up to its last query
 from the paged cache: a cached prefix, earlier chunks and this step's own tokens alike. Both read the
 cache through one ``PagedCache`` struct (pointers, geometry, strides, the block-table lookup).
 
+Inside a block both kernels score eight keys at a time (``dots_f``: eight dot products sharing the
+query's loads, finished by one shuffle tree instead of eight horizontal sums) and sum the values with
+64 outputs held in registers across the block's keys (``pv_f``: one store per block, not one per
+key). Against one dot product and one in-memory axpy per key, on one thread of an AVX-512 host:
+decode over 300 keys 28 -> 14.5 us, 96 sequences of 160 keys 2.8 -> 1.1 ms, a verification step's 5
+queries over 300 keys 114 -> 61 us, a 256-token prompt 3.4 -> 1.0 ms.
+
 The source is compiled on first use by :func:`rtp.kernels.cpu_build.build` (about 30-60 s,
 cached). Without a C++ compiler, or if the build fails, :func:`load` returns None and the
 runtime keeps the torch path.
@@ -38,8 +45,79 @@ _SOURCE = SIMD_HEADER + r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <limits>
 #include <vector>
+
+// Lane j = the sum of a[j]'s eight lanes: eight dot products finished at once (a tree of shuffles and
+// adds, instead of eight horizontal sums one lane at a time).
+static inline v8f hsum8x8(const v8f* a) {
+  const v8f x01 = __builtin_shufflevector(a[0], a[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                  __builtin_shufflevector(a[0], a[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  const v8f x23 = __builtin_shufflevector(a[2], a[3], 0, 8, 2, 10, 4, 12, 6, 14) +
+                  __builtin_shufflevector(a[2], a[3], 1, 9, 3, 11, 5, 13, 7, 15);
+  const v8f x45 = __builtin_shufflevector(a[4], a[5], 0, 8, 2, 10, 4, 12, 6, 14) +
+                  __builtin_shufflevector(a[4], a[5], 1, 9, 3, 11, 5, 13, 7, 15);
+  const v8f x67 = __builtin_shufflevector(a[6], a[7], 0, 8, 2, 10, 4, 12, 6, 14) +
+                  __builtin_shufflevector(a[6], a[7], 1, 9, 3, 11, 5, 13, 7, 15);
+  // y0 lanes: a0..a3's low halves, then their high halves; y1 the same for a4..a7.
+  const v8f y0 = __builtin_shufflevector(x01, x23, 0, 1, 8, 9, 4, 5, 12, 13) +
+                 __builtin_shufflevector(x01, x23, 2, 3, 10, 11, 6, 7, 14, 15);
+  const v8f y1 = __builtin_shufflevector(x45, x67, 0, 1, 8, 9, 4, 5, 12, 13) +
+                 __builtin_shufflevector(x45, x67, 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(y0, y1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(y0, y1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// s[j] = q . k_j for the n keys k_j = k + j * stride (D values each; q in fp32). Eight keys at a time
+// share each load of q and end in one shuffle tree (hsum8x8); the rest one dot product each.
+template <typename T>
+static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s) {
+  int64_t j = 0;
+  if (D % 8 == 0) {
+    for (; j + 8 <= n; j += 8) {
+      v8f a[8] = {};
+      const T* kj = k + j * stride;
+      for (int64_t d = 0; d < D; d += 8) {
+        const v8f qv = load8(q + d);
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) a[u] += qv * load8(kj + u * stride + d);
+      }
+      store8(s + j, hsum8x8(a));
+    }
+  }
+  for (; j < n; ++j) s[j] = dot_f(q, k + j * stride, D);
+}
+
+// acc[0, D) += sum_j p[j] * v_j over the n values v_j = v + j * stride: 64 outputs at a time stay in
+// registers over all n keys (one store per 64 outputs, not one per key).
+template <typename T>
+static inline void pv_f(float* acc, const float* p, const T* v, int64_t stride, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    v8f a[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) a[u] = load8(acc + d + 8 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = p[j];
+      const T* vj = v + j * stride + d;
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) a[u] += pj * load8(vj + 8 * u);
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) store8(acc + d + 8 * u, a[u]);
+  }
+  for (; d + 8 <= D; d += 8) {
+    v8f a = load8(acc + d);
+    for (int64_t j = 0; j < n; ++j) a += p[j] * load8(v + j * stride + d);
+    store8(acc + d, a);
+  }
+  for (; d < D; ++d) {
+    float a = acc[d];
+    for (int64_t j = 0; j < n; ++j) a += p[j] * static_cast<float>(v[j * stride + d]);
+    acc[d] = a;
+  }
+}
 
 // The paged KV cache as both kernels read it. k_cache, v_cache: [num_blocks, block_size, Hkv, D], unit
 // stride in D, the same strides for both (check_q_and_caches); block_tables: [B, max_blocks] int32.
@@ -98,17 +176,14 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
         for (int64_t j = 0, n = std::min(block_size, len - t0); j < n; ++j)
           for (int64_t l = 0; l < slot_lines; ++l) __builtin_prefetch(p + j * slot_bytes + l * 64);
       };
-      // Scores: q . k for every key, block by block (two vector accumulators per dot product).
+      // Scores: q . k for every key, block by block (row by row; a block's keys stay in L1 across rows).
       prefetch_block(cache.k, 0);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         prefetch_block(cache.k, t0 + block_size);
         const T* kb = cache.k + cache.block_offset(b, t0, h0);
-        for (int64_t j = 0, n = std::min(block_size, len - t0); j < n; ++j) {
-          for (int64_t i = 0; i < R; ++i) {
-            const T* k = kb + j * st + (i / rep) * cache.head_stride;
-            scores[i * len + t0 + j] = dot_f(qf.data() + i * D, k, D);
-          }
-        }
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t i = 0; i < R; ++i)
+          dots_f(qf.data() + i * D, kb + (i / rep) * cache.head_stride, st, n, D, scores.data() + i * len + t0);
       }
       // Softmax numerators exp(s - max), eight at a time; 1 / sum kept for the end.
       prefetch_block(cache.v, 0);
@@ -124,12 +199,9 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         prefetch_block(cache.v, t0 + block_size);
         const T* vb = cache.v + cache.block_offset(b, t0, h0);
-        for (int64_t j = 0, n = std::min(block_size, len - t0); j < n; ++j) {
-          for (int64_t i = 0; i < R; ++i) {
-            const T* v = vb + j * st + (i / rep) * cache.head_stride;
-            axpy_f(acc.data() + i * D, scores[i * len + t0 + j], v, D);
-          }
-        }
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t i = 0; i < R; ++i)
+          pv_f(acc.data() + i * D, scores.data() + i * len + t0, vb + (i / rep) * cache.head_stride, st, n, D);
       }
       for (int64_t i = 0; i < R; ++i)
         for (int64_t d = 0; d < D; ++d)
@@ -203,33 +275,38 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
       for (int64_t t0 = 0; t0 <= last_pos; t0 += block_size) {
         const int64_t n = std::min(block_size, last_pos + 1 - t0);
         const int64_t base = cache.block_offset(b, t0, h);
-        for (int64_t j = 0; j < n; ++j) {
-          const T* k = cache.k + base + j * st;
-          const T* v = cache.v + base + j * st;
-          for (int64_t d = 0; d < D; ++d) {
-            kf[j * D + d] = static_cast<float>(k[d]);
-            vf[j * D + d] = static_cast<float>(v[d]);
+        // The block's keys and values as fp32 rows: read in place from an fp32 cache, else converted once
+        // for all the task's rows.
+        const float *kb, *vb;
+        int64_t kv_stride;
+        if constexpr (std::is_same_v<T, float>) {
+          kb = cache.k + base, vb = cache.v + base, kv_stride = st;
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            const T* k = cache.k + base + j * st;
+            const T* v = cache.v + base + j * st;
+            for (int64_t d = 0; d < D; ++d) {
+              kf[j * D + d] = static_cast<float>(k[d]);
+              vf[j * D + d] = static_cast<float>(v[d]);
+            }
           }
+          kb = kf.data(), vb = vf.data(), kv_stride = D;
         }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t pos = first_pos + (q0 - cu[b]) + i / rep;
           const int64_t visible = std::min<int64_t>(n, pos + 1 - t0);  // keys t0 .. pos of this block
           if (visible <= 0) continue;
-          const float* qi = qf.data() + i * D;
           float* si = s.data() + i * block_size;
+          dots_f(qf.data() + i * D, kb, kv_stride, visible, D, si);
           float bmax = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < visible; ++j) {
-            const float dot = dot_f(qi, kf.data() + j * D, D);
-            si[j] = dot;
-            bmax = std::max(bmax, dot);
-          }
+          for (int64_t j = 0; j < visible; ++j) bmax = std::max(bmax, si[j]);
           const float new_m = std::max(m[i], bmax);
           const float corr = std::exp(m[i] - new_m);  // 0 on the first block (m = -inf)
           float* ai = acc.data() + i * D;
           const float sum = exp_shift_sum(si, visible, new_m);
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ai[d] *= corr;
-          for (int64_t j = 0; j < visible; ++j) axpy_f(ai, si[j], vf.data() + j * D, D);
+          pv_f(ai, si, vb, kv_stride, visible, D);
           l[i] = l[i] * corr + sum;
           m[i] = new_m;
         }
