@@ -107,11 +107,16 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
-// One head: y = rope(round_T(norm(x))), rotate-half layout; cos/sin rows of D/2 values (fp32).
+// One head: y = rope(round_T(norm(x))), rotate-half layout; cos/sin rows of D/2 values (fp32). No weight
+// (w null): no norm, y = rope(x).
 template <typename T, typename W>
 static inline void head_norm_rope(const T* x, const W* w, const float* c, const float* s, T* y, int64_t d,
                                   float eps, float* tmp) {
-  norm_row(x, w, tmp, d, eps);
+  if (w != nullptr) {
+    norm_row(x, w, tmp, d, eps);
+  } else {
+    for (int64_t i = 0; i < d; ++i) tmp[i] = to_f(x[i]);
+  }
   const int64_t h = d / 2;
   for (int64_t i = 0; i < h; ++i) {
     const float x1 = round_to<T>(tmp[i]), x2 = round_to<T>(tmp[i + h]);
@@ -127,7 +132,7 @@ static void qk_norm_rope_impl(const torch::Tensor& q, const torch::Tensor& k, co
   const int64_t t_n = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
   const int64_t ldq = q.stride(0), ldk = k.stride(0), half = cos.size(1);
   const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>();
-  const W *wqp = wq.data_ptr<W>(), *wkp = wk.data_ptr<W>();
+  const W *wqp = wq.numel() ? wq.data_ptr<W>() : nullptr, *wkp = wk.numel() ? wk.data_ptr<W>() : nullptr;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const Index pp(pos);
   T *qop = qo.data_ptr<T>(), *kop = ko.data_ptr<T>();
@@ -147,7 +152,8 @@ static void qk_norm_rope_impl(const torch::Tensor& q, const torch::Tensor& k, co
 std::vector<torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch::Tensor wq, torch::Tensor wk,
                                         torch::Tensor cos, torch::Tensor sin, torch::Tensor pos, double eps) {
   // q: [T, Hq, D], k: [T, Hkv, D] (views into the fused qkv output: rows strided, heads contiguous);
-  // wq, wk: [D]; cos, sin: [max_positions, D/2] fp32; pos: [T] int32/int64 -> contiguous q, k.
+  // wq, wk: [D], or both empty (no norm: the rotary embedding alone); cos, sin: [max_positions, D/2] fp32;
+  // pos: [T] int32/int64 -> contiguous q, k.
   const int64_t d = q.size(2);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == d && d % 2 == 0,
               "qk_norm_rope: q [T, Hq, D] and k [T, Hkv, D]");
@@ -160,8 +166,9 @@ std::vector<torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch:
   for (int64_t t = 0; t < pos.numel(); ++t)
     TORCH_CHECK(checked[t] >= 0 && checked[t] < cos.size(0), "qk_norm_rope: position ", checked[t],
                 " is outside the table");
-  TORCH_CHECK(wq.is_contiguous() && wk.is_contiguous() && wq.numel() == d && wk.numel() == d &&
-              wq.scalar_type() == wk.scalar_type() && k.scalar_type() == q.scalar_type(), "qk_norm_rope: weights");
+  TORCH_CHECK(wq.is_contiguous() && wk.is_contiguous() && wq.numel() == wk.numel() &&
+              (wq.numel() == d || wq.numel() == 0) && wq.scalar_type() == wk.scalar_type() &&
+              k.scalar_type() == q.scalar_type(), "qk_norm_rope: weights");
   auto qo = torch::empty({q.size(0), q.size(1), d}, q.options());
   auto ko = torch::empty({k.size(0), k.size(1), d}, k.options());
   pybind11::gil_scoped_release no_gil;
@@ -280,6 +287,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     ``cos``/``sin``: ``[max_positions, D/2]`` float32 tables. Returns contiguous tensors.
     """
     qo, ko = _module().qk_norm_rope(q, k, q_weight, k_weight, cos, sin, positions, eps)
+    return qo, ko
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding alone (no norm) of ``q [T, Hq, D]`` and ``k [T, Hkv, D]``; as :func:`qk_norm_rope`."""
+    none = q.new_empty(0)
+    qo, ko = _module().qk_norm_rope(q, k, none, none, cos, sin, positions, 0.0)
     return qo, ko
 
 

@@ -91,7 +91,13 @@ def test_qk_norm_rope_matches_torch(dtype: torch.dtype, tokens: int, heads: int,
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     for positions in (torch.randint(0, 512, (tokens,), generator=gen), torch.arange(tokens, dtype=torch.int32)):
         got_q, got_k = qk_norm_rope(positions, q, k, q_norm, k_norm, rotary)
-        ref_q, ref_k = rotary(positions.long(), q_norm.reference(q), k_norm.reference(k))
+        ref_q, ref_k = rotary.reference(positions.long(), q_norm.reference(q), k_norm.reference(k))
+        _close(got_q, ref_q, dtype)
+        _close(got_k, ref_k, dtype)
+        assert got_q.is_contiguous() and got_k.is_contiguous()
+        # The rotary embedding alone (an EAGLE-3 head's attention has no q/k norm): the same kernel, no norm.
+        got_q, got_k = rotary(positions, q, k)
+        ref_q, ref_k = rotary.reference(positions.long(), q, k)
         _close(got_q, ref_q, dtype)
         _close(got_k, ref_k, dtype)
         assert got_q.is_contiguous() and got_k.is_contiguous()
@@ -131,7 +137,7 @@ def test_store_kv_refuses_a_slot_outside_the_cache() -> None:
 def test_the_model_ops_take_the_kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The comparisons above go through the modules: make sure those really run the C++ kernels on CPU."""
     calls: list[str] = []
-    for name in ("rms_norm", "qk_norm_rope", "silu_and_mul", "store_kv"):
+    for name in ("rms_norm", "qk_norm_rope", "silu_and_mul", "store_kv", "rope"):
         real = getattr(cpu_ops, name)
         monkeypatch.setattr(cpu_ops, name, lambda *a, _n=name, _f=real, **kw: (calls.append(_n), _f(*a, **kw))[1])
     norm = RMSNorm(16, 1e-6)
@@ -141,7 +147,8 @@ def test_the_model_ops_take_the_kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) 
     qk_norm_rope(torch.arange(3), torch.randn(3, 2, 16), torch.randn(3, 1, 16), norm, norm, rotary)
     cache = torch.zeros(2, 2, 1, 16)
     store_kv(torch.randn(3, 1, 16), torch.randn(3, 1, 16), cache, cache.clone(), torch.tensor([0, 1, 2]))
-    assert calls == ["rms_norm", "silu_and_mul", "qk_norm_rope", "store_kv"]
+    rotary(torch.arange(3), torch.randn(3, 2, 16), torch.randn(3, 1, 16))
+    assert calls == ["rms_norm", "silu_and_mul", "qk_norm_rope", "store_kv", "rope"]
 
 
 def test_rms_norm_with_an_fp32_weight_keeps_the_references_dtype() -> None:
