@@ -45,7 +45,7 @@ from rtp.sampling import SamplingParams
 from rtp.spec.controller import SpecController
 from rtp.spec.proposer import build_proposer
 from rtp.spec.sampling import Runs, sample_runs
-from rtp.spec.verify import supports_drafts
+from rtp.spec.verify import grammar_prefix, supports_drafts
 
 logger = get_logger(__name__)
 
@@ -166,7 +166,8 @@ class Engine:
         if self.in_flight is not None:
             return self.in_flight.step()
         changed = self.drain_inbox()
-        drafts = self.spec.propose(self.scheduler.running, self._can_draft) if self.spec is not None else None
+        drafts = (self.spec.propose(self.scheduler.running, self._can_draft, self._grammar_prefix)
+                  if self.spec is not None else None)
         result = self.scheduler.schedule(drafts)
         plan = result.plan
         if not plan.new_seqs and not plan.cached_seqs and not plan.freed_seq_ids:
@@ -278,6 +279,12 @@ class Engine:
         """Whether ``seq``'s drafts can be verified: its grammar, if any, can roll tokens back."""
         smp = self.outputs.samples.get(seq.seq_id)
         return smp is not None and supports_drafts(smp.constraint)
+
+    def _grammar_prefix(self, seq: Sequence, drafts: list[int]) -> int:
+        """How many leading ``drafts`` of ``seq`` its grammar (if any) accepts."""
+        smp = self.outputs.samples.get(seq.seq_id)
+        constraint = smp.constraint if smp is not None else None
+        return len(drafts) if constraint is None else grammar_prefix(constraint, drafts, self.runner.spec.vocab_size)
 
     def _step_speculative(self, result: ScheduleResult, out: StepOutput, changed: list[RequestOutput]) -> None:
         """Sample, verify, postprocess and emit a step whose plan carries drafts."""

@@ -159,7 +159,7 @@ SPEC_POSITIONS_ON_WIRE = 8
 
 STAT_KEYS = ("num_running", "num_waiting", "kv_usage", "num_blocks", "prefix_hit_tokens", "prefix_query_tokens",
              "num_preemptions", "num_prefill_tokens_computed", "num_decode_tokens",
-             "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+             "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_refused_draft_tokens",
              *(f"spec_accepted_pos_{i}" for i in range(SPEC_POSITIONS_ON_WIRE)))
 """The engine stats (Engine.stats keys) every OUTPUTS frame carries, for the frontends' /metrics."""
 

@@ -61,6 +61,9 @@ class _EngineStatsCollector(Collector):
                                   value=s.get("spec_num_draft_tokens", 0))
         yield CounterMetricFamily("rtp_spec_decode_accepted_tokens", "Draft tokens accepted.",
                                   value=s.get("spec_num_accepted_tokens", 0))
+        yield CounterMetricFamily("rtp_spec_decode_refused_draft_tokens",
+                                  "Draft tokens dropped before verification: the request's grammar refuses them.",
+                                  value=s.get("spec_num_refused_draft_tokens", 0))
         per_pos = CounterMetricFamily("rtp_spec_decode_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.", labels=["position"])
         for pos, value in spec_positions(s):

@@ -38,6 +38,7 @@ class SpecCounters:
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # draft tokens accepted
     accepted_per_pos: list[int] = field(default_factory=list)  # [k] drafts accepted at position i of a draft
+    num_refused_tokens: int = 0  # draft tokens dropped before verification: the request's grammar refuses them
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -50,6 +51,7 @@ class SpecCounters:
             "spec_num_drafts": self.num_drafts,
             "spec_num_draft_tokens": self.num_draft_tokens,
             "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_num_refused_draft_tokens": self.num_refused_tokens,
         }
         for i, n in enumerate(self.accepted_per_pos):
             out[f"spec_accepted_pos_{i}"] = n
@@ -77,8 +79,13 @@ class SpecController:
         self._step = 0
         self._last_log = (0, 0)  # (num_drafts, num_accepted_tokens) at the last log line
 
-    def propose(self, running: list[Sequence], can_draft: Callable[[Sequence], bool]) -> dict[int, list[int]]:
-        """Drafts for the decoding sequences of ``running`` that may draft now: seq_id -> tokens (non-empty)."""
+    def propose(self, running: list[Sequence], can_draft: Callable[[Sequence], bool],
+                valid_prefix: Callable[[Sequence, list[int]], int] | None = None) -> dict[int, list[int]]:
+        """Drafts for the decoding sequences of ``running`` that may draft now: seq_id -> tokens (non-empty).
+
+        ``valid_prefix(seq, drafts)``: how many leading drafts the sequence's grammar accepts; the rest are
+        dropped (counted in ``num_refused_tokens``) rather than verified only to be rejected.
+        """
         self._step += 1
         self.proposer.sync(running)
         limit = self.config.disable_by_batch_size
@@ -110,7 +117,16 @@ class SpecController:
         if not seqs:
             return {}
         drafts = self.proposer.propose(seqs, rooms)
-        return {seq.seq_id: d[:room] for seq, d, room in zip(seqs, drafts, rooms) if d}
+        out: dict[int, list[int]] = {}
+        for seq, d, room in zip(seqs, drafts, rooms):
+            d = d[:room]
+            if d and valid_prefix is not None:
+                n = valid_prefix(seq, d)
+                self.counters.num_refused_tokens += len(d) - n
+                d = d[:n]
+            if d:
+                out[seq.seq_id] = d
+        return out
 
     def observe(self, out: StepOutput) -> None:
         """Hand rank 0's output of a step to the proposer (before the step's tokens are appended)."""

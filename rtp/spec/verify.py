@@ -96,6 +96,23 @@ def _position_masks(constraint: TokenConstraint, drafts: list[int], vocab: int) 
     return masks
 
 
+def grammar_prefix(constraint: TokenConstraint, drafts: list[int], vocab: int) -> int:
+    """How many leading ``drafts`` the grammar accepts in turn (its state is left as it was).
+
+    Drafts past that would be computed by the verification step only to be rejected (their probability
+    under the grammar's mask is 0), so the engine drops them before the step is scheduled.
+    """
+    n = 0
+    for token in drafts:
+        if constraint.is_terminated() or not _allows(constraint.allowed_tokens(vocab), token):
+            break
+        constraint.accept(token)
+        n += 1
+    if n:
+        constraint.rollback(n)  # type: ignore[attr-defined]  # checked by supports_drafts
+    return n
+
+
 def verification_rows(row: SampleRow, drafts: list[int], vocab: int) -> list[SampleRow]:
     """The ``len(drafts) + 1`` sampler rows of a sequence verifying ``drafts``; ``row`` is its row now.
 

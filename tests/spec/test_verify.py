@@ -7,7 +7,7 @@ import torch
 
 from rtp.runtime.sampler import PenaltyState, Sampler, SampleRow
 from rtp.sampling import SamplingParams
-from rtp.spec.verify import accepted_run, verification_rows
+from rtp.spec.verify import accepted_run, grammar_prefix, verification_rows
 
 VOCAB = 64
 
@@ -37,6 +37,16 @@ class Counting:
 
     def rollback(self, n: int) -> None:
         del self.accepted[len(self.accepted) - n :]
+
+
+def test_grammar_prefix_stops_at_the_first_refused_draft_and_leaves_the_grammar_as_it_was():
+    constraint = Counting()
+    constraint.accepted = [5, 30]
+    assert grammar_prefix(constraint, [31, 35, 20, 40], VOCAB) == 2  # 20 is not above 35
+    assert constraint.accepted == [5, 30]
+    assert grammar_prefix(constraint, [30, 31], VOCAB) == 0
+    assert grammar_prefix(constraint, [31, 32, 33], VOCAB) == 3
+    assert constraint.accepted == [5, 30]
 
 
 def test_each_row_is_the_sequence_after_its_draft_prefix():
