@@ -79,6 +79,41 @@ def check_eagle3_head(config: RtpConfig, target_dir: Path) -> None:
     open_head(Path(spec.model).expanduser(), target_dir)
 
 
+class FeatureBuffer:
+    """One sequence's head features, positions ``[first, first + n)`` ([n, H]), in a buffer that doubles when
+    full: a step appends its rows in place (a copy of the whole history per step made a sequence that does
+    not draft, in a batch above ``disable_by_batch_size``, cost O(length) per step)."""
+
+    def __init__(self, first: int, rows: torch.Tensor) -> None:
+        self.first, self.n = first, 0
+        self.buf = rows.new_empty((max(16, rows.shape[0]), rows.shape[1]))  # [capacity, H]
+        self.put(first, rows)
+
+    def put(self, first: int, rows: torch.Tensor) -> bool:
+        """Write ``rows`` [m, H] at positions ``first ..`` (they replace what they overlap, and what followed is
+        dropped); False (nothing written) where they do not start inside or right after the kept range."""
+        if not self.first <= first <= self.first + self.n:
+            return False
+        at = first - self.first
+        need = at + rows.shape[0]
+        if need > self.buf.shape[0]:
+            grown = self.buf.new_empty((max(need, 2 * self.buf.shape[0]), self.buf.shape[1]))
+            grown[:at] = self.buf[:at]
+            self.buf = grown
+        self.buf[at:need] = rows
+        self.n = need
+        return True
+
+    def rows(self) -> torch.Tensor:
+        """The kept features [n, H] (a view)."""
+        return self.buf[: self.n]
+
+    def drop_before(self, position: int) -> None:
+        """Forget the features of positions before ``position`` (their memory goes when the buffer next grows)."""
+        cut = min(max(position - self.first, 0), self.n)
+        self.buf, self.first, self.n = self.buf[cut:], self.first + cut, self.n - cut
+
+
 class Eagle3Proposer:
     """Greedy drafts from an EAGLE-3 head on rank 0 (see the module docstring)."""
 
@@ -102,7 +137,7 @@ class Eagle3Proposer:
                     ckpt.spec.draft_vocab_size, list(ckpt.aux_layers), self.num_blocks, max_batch * self.scratch,
                     need / 2**20)
         self._computed: dict[int, int] = {}  # seq_id -> positions whose head KV is in its current blocks
-        self._feats: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, features [n, H])
+        self._feats: dict[int, FeatureBuffer] = {}  # seq_id -> its features not yet read by the head
 
     @classmethod
     def for_target(cls, config: RtpConfig, runner: ModelRunner, model_dir: Path) -> Eagle3Proposer:
@@ -136,18 +171,15 @@ class Eagle3Proposer:
         feats = self.head.features(aux.hidden)  # [T, H]
         ends = aux.row_starts[1:] + [feats.shape[0]]
         for seq_id, first, a, b in zip(aux.seq_ids, aux.first_positions, aux.row_starts, ends):
-            rows = feats[a:b]
-            old = self._feats.get(seq_id)
-            if old is not None and old[0] <= first <= old[0] + old[1].shape[0]:
-                rows = torch.cat([old[1][: first - old[0]], rows])
-                first = old[0]
-            self._feats[seq_id] = (first, rows)
+            known = self._feats.get(seq_id)
+            if known is None or not known.put(first, feats[a:b]):
+                self._feats[seq_id] = FeatureBuffer(first, feats[a:b])
 
     def _feature_rows(self, seq_id: int, start: int, n: int) -> torch.Tensor:
         """Features of positions ``[start, start + n)`` [n, H]; zeros where none arrived."""
         known = self._feats.get(seq_id)
         if known is not None:
-            first, rows = known
+            first, rows = known.first, known.rows()
             if first <= start and start + n <= first + rows.shape[0]:
                 return rows[start - first : start - first + n]
         out = torch.zeros(n, self.head.spec.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
@@ -199,9 +231,8 @@ class Eagle3Proposer:
             done = min(max(n - 1, 0), len(seq.block_table) * bs)  # draft positions never count
             self._computed[seq.seq_id] = done
             known = self._feats.get(seq.seq_id)
-            keep = min(done, n - 2)  # the last known position's feature: a proposal at the same length redoes it
-            if known is not None and keep > known[0]:
-                self._feats[seq.seq_id] = (keep, known[1][keep - known[0] :])
+            if known is not None:  # keep the last known position's feature: a proposal at the same length redoes it
+                known.drop_before(min(done, n - 2))
         return drafts
 
     def _forward(self, chunks: list[tuple[int, int, list[int], torch.Tensor]], tables: list[np.ndarray],

@@ -233,3 +233,21 @@ def test_startup_check_refuses_pipeline_stages_and_bad_heads(target, heads, tmp_
                           target)
     with pytest.raises(ConfigError, match=r"is not a checkpoint folder \(no config.json there\)"):
         check_eagle3_head(RtpConfig(speculative_config=eagle_config(tmp_path / "none")), target)
+
+
+def test_feature_buffer_appends_replaces_overlaps_and_drops() -> None:
+    from rtp.spec.eagle3 import FeatureBuffer
+
+    rows = torch.arange(40, dtype=torch.float32).reshape(20, 2)  # row i = position 10 + i below
+    buf = FeatureBuffer(10, rows[:3])
+    for i in range(3, 20):  # one position per step, past the initial capacity
+        assert buf.put(10 + i, rows[i : i + 1])
+    assert torch.equal(buf.rows(), rows) and buf.first == 10
+    assert buf.put(25, -rows[:2])  # a step over positions 25-26 replaces them and drops 27-29
+    assert torch.equal(buf.rows(), torch.cat([rows[:15], -rows[:2]]))
+    assert not buf.put(9, rows[:1]) and not buf.put(28, rows[:1])  # not touching the kept range: refused
+    buf.drop_before(20)
+    assert buf.first == 20 and torch.equal(buf.rows(), torch.cat([rows[10:15], -rows[:2]]))
+    assert buf.put(27, rows[:1]) and buf.rows().shape[0] == 8
+    buf.drop_before(100)
+    assert buf.first == 28 and buf.rows().shape[0] == 0
