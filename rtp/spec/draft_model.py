@@ -87,28 +87,33 @@ def allocate_draft_cache(layers: list[PagedAttention], what: str, *, num_blocks:
     return scratch, need
 
 
-def scratch_tables(seqs: list[Sequence], num_blocks: int, scratch: int) -> list[np.ndarray]:
-    """Each drafting sequence's block table followed by its batch row's scratch blocks."""
-    return [np.array(s.block_table + [num_blocks + b * scratch + j for j in range(scratch)], dtype=np.int64)
-            for b, s in enumerate(seqs)]
+def scratch_tables(seqs: list[Sequence], num_blocks: int, scratch: int) -> np.ndarray:
+    """[B, width] int64: each drafting sequence's block table followed by its batch row's scratch blocks (rows
+    padded with 0 past them)."""
+    table = np.zeros((len(seqs), max(len(s.block_table) for s in seqs) + scratch), dtype=np.int64)
+    for b, s in enumerate(seqs):
+        n = len(s.block_table)
+        table[b, :n] = s.block_table
+        table[b, n : n + scratch] = np.arange(num_blocks + b * scratch, num_blocks + (b + 1) * scratch)
+    return table
 
 
-def chunk_metadata(chunks: list[tuple[int, int]], tables: list[np.ndarray], block_size: int,
+def chunk_metadata(chunks: list[tuple[int, int]], table: np.ndarray, block_size: int,
                    device: torch.device) -> tuple[AttnMetadata, np.ndarray, np.ndarray]:
     """Attention metadata of a pass over ``chunks`` ((first position, length) each; its keys are every
-    position before its end) whose block tables are ``tables``: (metadata, positions [T], cu_q [B])."""
+    position before its end) whose block tables are the rows of ``table`` [B, width]: (metadata,
+    positions [T], cu_q [B])."""
     bs = block_size
-    q = np.array([n for _, n in chunks], dtype=np.int64)  # [B]
-    start = np.array([s for s, _ in chunks], dtype=np.int64)  # [B]
+    q = np.fromiter((n for _, n in chunks), dtype=np.int64, count=len(chunks))  # [B]
+    start = np.fromiter((s for s, _ in chunks), dtype=np.int64, count=len(chunks))  # [B]
     end = start + q  # [B] keys per chunk
-    owner = np.repeat(np.arange(len(chunks)), q)  # [T] chunk of each flat token
-    cu_q = np.add.accumulate(q)  # [B]
-    positions = start[owner] + np.arange(int(cu_q[-1])) - (cu_q - q)[owner]  # [T]
-    width = int(-(-end.max() // bs))  # blocks the longest chunk reads
-    table = np.zeros((len(chunks), width), dtype=np.int64)  # [B, width]
-    for i, blocks in enumerate(tables):
-        row = blocks[:width]
-        table[i, : len(row)] = row
+    max_q = int(q.max())
+    if max_q == 1:  # one token per chunk (a draft step): a chunk's token sits at its start
+        owner, positions, cu_q = np.arange(len(chunks)), start, np.arange(1, len(chunks) + 1)
+    else:
+        owner = np.repeat(np.arange(len(chunks)), q)  # [T] chunk of each flat token
+        cu_q = np.add.accumulate(q)  # [B]
+        positions = start[owner] + np.arange(int(cu_q[-1])) - (cu_q - q)[owner]  # [T]
     slots = table[owner, positions // bs] * bs + positions % bs  # [T]
     cu = np.zeros((2, len(chunks) + 1), dtype=np.int32)  # [2, B + 1]: query and key offsets
     cu[0, 1:], cu[1, 1:] = cu_q, np.add.accumulate(end)
@@ -117,7 +122,7 @@ def chunk_metadata(chunks: list[tuple[int, int]], tables: list[np.ndarray], bloc
         slot_mapping=torch.from_numpy(slots).to(device), cu_seqlens_q=cu_t[0], cu_seqlens_k=cu_t[1],
         context_lens=torch.from_numpy(end.astype(np.int32)).to(device),
         block_tables=torch.from_numpy(table.astype(np.int32)).to(device),
-        max_seqlen_q=int(q.max()), max_seqlen_k=int(end.max()), q_lens=q.tolist(), k_lens=end.tolist(),
+        max_seqlen_q=max_q, max_seqlen_k=int(end.max()), q_lens=q.tolist(), k_lens=end.tolist(),
     )
     return meta, positions, cu_q
 
@@ -178,7 +183,7 @@ class DraftModelProposer:
         lengths = [len(s.token_ids) for s in seqs]
         pos = [min(self._computed.get(s.seq_id, 0), n - 1) for s, n in zip(seqs, lengths)]
         for b, (n, room) in enumerate(zip(lengths, rooms)):
-            assert n + room - 2 < len(tables[b]) * bs, "scratch blocks cover every draft position"
+            assert n + room - 2 < (len(seqs[b].block_table) + self.scratch) * bs, "scratch blocks cover the drafts"
         drafts: list[list[int]] = [[] for _ in seqs]
         # Catch up on [computed, L) in passes of at most max_pass_tokens tokens; the pass that reaches a
         # sequence's last known token gives its first draft.
@@ -207,13 +212,13 @@ class DraftModelProposer:
             self._computed[seq.seq_id] = min(n, len(seq.block_table) * bs)
         return drafts
 
-    def _forward(self, chunks: list[tuple[int, int, list[int]]], tables: list[np.ndarray],
+    def _forward(self, chunks: list[tuple[int, int, list[int]]], tables: np.ndarray,
                  wanted: list[bool], seqs: list[Sequence]) -> list[int]:
         """One draft forward pass over ``chunks`` (writing their KV); the argmax after each wanted chunk,
         among the request's ``allowed_token_ids`` when it has them (other drafts would be rejected)."""
         dev = self.device
         meta, positions, cu_q = chunk_metadata([(start, len(toks)) for _, start, toks in chunks],
-                                               [tables[b] for b, _, _ in chunks], self.block_size, dev)
+                                               tables[[b for b, _, _ in chunks]], self.block_size, dev)
         ids = np.concatenate([np.asarray(toks, dtype=np.int64) for _, _, toks in chunks])  # [T]
         hidden = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta)  # [T, H]
         rows = (cu_q - 1)[np.asarray(wanted, dtype=bool)]  # [R] last token of each wanted chunk

@@ -235,20 +235,21 @@ class Eagle3Proposer:
                 known.drop_before(min(done, n - 2))
         return drafts
 
-    def _forward(self, chunks: list[tuple[int, int, list[int], torch.Tensor]], tables: list[np.ndarray],
+    def _forward(self, chunks: list[tuple[int, int, list[int], torch.Tensor]], tables: np.ndarray,
                  wanted: list[bool], seqs: list[Sequence]) -> list[tuple[int, torch.Tensor]]:
         """One head pass over ``chunks`` (writing their KV): after each wanted chunk, its greedy draft (a
         target id; among the request's ``allowed_token_ids`` when it has them) and its output [H]."""
         dev = self.device
         meta, positions, cu_q = chunk_metadata([(start, len(toks)) for _, start, toks, _ in chunks],
-                                               [tables[b] for b, _, _, _ in chunks], self.block_size, dev)
-        ids = torch.from_numpy(np.concatenate([np.asarray(toks, dtype=np.int64) for _, _, toks, _ in chunks]))
-        feats = torch.cat([f for _, _, _, f in chunks])  # [T, H]
-        out = self.head(ids.to(dev), torch.from_numpy(positions).to(dev), feats, meta)  # [T, H]
+                                               tables[[b for b, _, _, _ in chunks]], self.block_size, dev)
+        ids = torch.tensor([t for _, _, toks, _ in chunks for t in toks], dtype=torch.long, device=dev)  # [T]
+        feats = chunks[0][3] if len(chunks) == 1 else torch.cat([f for _, _, _, f in chunks])  # [T, H]
+        out = self.head(ids, torch.from_numpy(positions).to(dev), feats, meta)  # [T, H]
         rows = (cu_q - 1)[np.asarray(wanted, dtype=bool)]  # [R] last token of each wanted chunk
         if len(rows) == 0:
             return []
-        picked = out[torch.from_numpy(rows).to(dev)]  # [R, H]
+        # [R, H]; a draft step (one token per chunk, all wanted) takes every row
+        picked = out if len(rows) == out.shape[0] else out[torch.from_numpy(rows).to(dev)]
         logits = self.head.logits(picked)  # [R, draft vocab]
         owners = [b for (b, _, _, _), want in zip(chunks, wanted) if want]  # [R] batch row of each logits row
         for r, b in enumerate(owners):
