@@ -8,8 +8,9 @@ pair of runs sees the same machine. It prints every engine's median time, tokens
 acceptance, and the median and range of the per-pair ratios of each speculative setting to "off".
 Outputs must equal "off" token for token (greedy), else it exits 1.
 
-Besides the whole run it times the parts of a step: the proposer (``propose``), the model's forward
-pass (``execute``, a verification step with drafts) and the rest of ``Engine.step``.
+Besides the whole run it times parts of a step: the model's forward pass (``execute``, a
+verification step where there are drafts), the proposer's drafting (``propose``) and what it takes
+from each step's output (``observe``: an EAGLE-3 head's features).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_spec.py                      # shipped model and head
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_spec.py --spec ngram:4 --spec eagle3:3 --spec eagle3:4
@@ -114,6 +115,7 @@ def main() -> None:
         Timed(engine.runner, "execute", "execute", totals)
         if engine.spec is not None:
             Timed(engine.spec, "propose", "propose", totals)
+            Timed(engine.spec, "observe", "observe", totals)
     times: dict[str, list[float]] = defaultdict(list)
     steps: dict[str, int] = {}
     reference: list[list[int]] | None = None
@@ -142,7 +144,7 @@ def main() -> None:
     for name in names:
         med = statistics.median(times[name])
         p = parts[name]
-        per_step = {k: v / args.rounds / steps[name] * 1e3 for k, v in p.items() if k in ("execute", "propose")}
+        per_step = {k: v / args.rounds / steps[name] * 1e3 for k, v in p.items() if k in ("execute", "propose", "observe")}
         line = (f"{name:>14}: {med * 1e3:7.1f} ms  {tokens / med:7.1f} tok/s  {steps[name]:4d} steps  "
                 + "  ".join(f"{k} {v:.2f} ms/step" for k, v in per_step.items()))
         if "acceptance_length" in p:

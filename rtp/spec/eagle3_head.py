@@ -44,7 +44,7 @@ from rtp.distributed.parallel import ParallelState
 from rtp.errors import ConfigError
 from rtp.kernels import cpu_gemm
 from rtp.model.attention import AttnMetadata, PagedAttention
-from rtp.model.linear import ColumnParallelLinear, pack_linear_weights
+from rtp.model.linear import ColumnParallelLinear, cpu_linear_method, pack_linear_weights
 from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, rope_inv_freq
 
 _KEY = "speculative_config.model"
@@ -215,7 +215,7 @@ class Eagle3Checkpoint:
                               "embedding was given")
         head = Eagle3Head(self.spec, len(self.aux_layers), "fc.bias" in t, max_positions, device, dtype)
         head.load(t, weight)
-        head.pack_for_drafting()
+        head.pack_for_cpu()
         return head.eval()
 
 
@@ -230,14 +230,13 @@ class Eagle3Head(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         bias = spec.attention_bias
-        # fc reads every token the target computes (prompts too); the rest run once per draft position, on at
-        # most a drafting batch of rows: rtp's linears, packed for small batches on CPU (see pack_for_drafting).
-        self.fc = nn.Linear(num_aux * spec.target_hidden_size, h, bias=fc_bias, **kw)
+        # rtp's linears, packed on CPU (see pack_for_cpu)
         one = ParallelState.single(device)
 
         def linear(n_in: int, n_out: int, with_bias: bool) -> ColumnParallelLinear:
             return ColumnParallelLinear(n_in, n_out, one, bias=with_bias).to(**kw)
 
+        self.fc = linear(num_aux * spec.target_hidden_size, h, fc_bias)
         self.qkv_proj = linear(2 * h, (spec.num_heads + 2 * spec.num_kv_heads) * d, bias)
         self.o_proj = linear(spec.num_heads * d, h, bias)
         self.gate_up_proj = linear(h, 2 * spec.intermediate_size, False)
@@ -282,16 +281,22 @@ class Eagle3Head(nn.Module):
         if "d2t" in t:
             self.draft_to_target += t["d2t"].to(dev).long()
 
-    def pack_for_drafting(self) -> int:
-        """On CPU, re-lay the per-position linears out as rtp's panel GEMM's panels (returns how many).
+    def pack_for_cpu(self) -> None:
+        """On CPU, re-lay the linears out once for their matmuls.
 
-        A head pass has at most a drafting batch of rows (``disable_by_batch_size``, 16 by default), where
-        the panels stream a weight 1.2-3x faster than oneDNN (measured at 1-8 rows, fp32; oneDNN wins from
-        about 32 rows, which the target's steps reach but a head pass does not).
+        ``fc`` reads every token the target computes (whole prompts too): it is packed as the target's
+        linears are. The others run once per draft position on at most a drafting batch of rows
+        (``disable_by_batch_size``, 16 by default): rtp's panel GEMM, which streams a weight 1.2-3x faster
+        than oneDNN at 1-8 rows (fp32; oneDNN wins from about 32 rows, which a head pass does not reach).
         """
-        if self.fc.weight.device.type != "cpu" or not cpu_gemm.available():
-            return 0
-        return pack_linear_weights(self, "gemm")
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        if device.type != "cpu":
+            return
+        method = cpu_linear_method(device, dtype)
+        if method is not None:
+            pack_linear_weights(self.fc, method)
+        if cpu_gemm.available():
+            pack_linear_weights(self, "gemm")  # the layers still plain: all but fc
 
     def features(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's auxiliary hidden states [N, A * H_target] -> the head's features [N, H]."""
