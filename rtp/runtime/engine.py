@@ -175,7 +175,7 @@ class Engine:
         self.transport(plan)
         out = self.runner.execute(plan)
         if self.spec is not None:
-            self.spec.observe(out)
+            self.spec.observe(out, len(self.scheduler.running))
         if result.drafts is not None:
             self._step_speculative(result, out, changed)
             return changed

@@ -88,8 +88,7 @@ class SpecController:
         """
         self._step += 1
         self.proposer.sync(running)
-        limit = self.config.disable_by_batch_size
-        if not running or (limit is not None and len(running) > limit):
+        if not running or not self.drafts_at(len(running)):
             return {}
         if len(self._acceptance) > 2 * len(running) + 64:  # forget sequences that left
             live = {s.seq_id for s in running}
@@ -128,9 +127,19 @@ class SpecController:
                 out[seq.seq_id] = d
         return out
 
-    def observe(self, out: StepOutput) -> None:
-        """Hand rank 0's output of a step to the proposer (before the step's tokens are appended)."""
-        self.proposer.observe(out)
+    def drafts_at(self, batch: int) -> bool:
+        """Whether sequences draft while ``batch`` sequences run (``disable_by_batch_size``)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or batch <= limit
+
+    def observe(self, out: StepOutput, batch: int) -> None:
+        """Hand rank 0's output of a step that ``batch`` sequences ran in to the proposer (before the step's
+        tokens are appended); not while the batch is above ``disable_by_batch_size``: nothing drafts then,
+        and an EAGLE-3 head would turn every token's hidden states into features (~4% of a 32-sequence
+        step here) and keep them for as long as the batch stays large. When it drafts again, the positions
+        computed meanwhile have zero features: worse drafts there, never other output."""
+        if self.drafts_at(batch):
+            self.proposer.observe(out)
 
     def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """One sequence verified ``num_drafted`` drafts this step and accepted the first ``num_accepted``."""

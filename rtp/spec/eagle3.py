@@ -22,8 +22,9 @@ Positions whose target hidden states never reached rank 0 (a prefix-cache hit: t
 them) get zero features: the head still sees their tokens, drafts there are merely worse.
 
 Memory: a sequence's features ([positions, H], after ``fc``) are kept from its first chunk until the
-head has read them, so a sequence that does not draft for long (a batch above ``disable_by_batch_size``)
-holds one H-wide row per token it has computed meanwhile.
+head has read them. While the batch is above ``disable_by_batch_size`` nothing drafts and the controller
+does not hand the steps to ``observe`` (:meth:`SpecController.observe`), so no features are made or kept
+then; the positions computed meanwhile get zero features when the sequence drafts again.
 """
 
 from __future__ import annotations

@@ -40,9 +40,14 @@ def test_drafts_only_for_decoding_sequences_and_within_the_length_limits():
 
 def test_no_drafts_above_the_batch_size_cut_off():
     c = controller(disable_by_batch_size=2)
+    seen: list[object] = []
+    c.proposer.observe = seen.append  # type: ignore[method-assign]
     seqs = [decoding(i, LOOP) for i in range(3)]
     assert c.propose(seqs, yes) == {}
+    c.observe("above", 3)  # type: ignore[arg-type]  # not handed on: no sequence drafts in such a batch
     assert set(c.propose(seqs[:2], yes)) == {0, 1}
+    c.observe("within", 2)  # type: ignore[arg-type]
+    assert seen == ["within"]
 
 
 def test_poorly_accepted_sequences_back_off_then_try_again():

@@ -156,6 +156,32 @@ def test_greedy_with_prefix_hits_equals_hf(target, heads, prompts) -> None:
     assert all(proposer.num_computed(i) == 0 for i in range(50)) and not proposer._feats
 
 
+def test_a_batch_above_the_cut_off_keeps_no_features_and_outputs_equal_plain(target, heads, prompts) -> None:
+    """Five sequences with drafting cut off above two: no features are kept while more than two run (nothing
+    drafts then); as they finish, the last two draft from the features they have (zeros before)."""
+    lengths = [8, 12, 16, 24, 40]  # output lengths: the batch shrinks as they finish
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+    plain = run(make_engine(target, budget=64, blocks=64, caching=False), requests)
+    spec = SpeculativeConfig(method="eagle3", model=str(heads["specforge"]), num_speculative_tokens=K,
+                             disable_by_batch_size=2, min_acceptance_rate=0.0)
+    engine = make_engine(target, spec, budget=64, blocks=64, caching=False)
+    proposer = engine.spec.proposer if engine.spec is not None else None
+    assert isinstance(proposer, Eagle3Proposer)
+    kept_above: list[int] = []
+    inner = proposer.observe
+
+    def observe(out) -> None:  # noqa: ANN001
+        inner(out)
+        if len(engine.scheduler.running) > 2:
+            kept_above.append(len(proposer._feats))
+
+    proposer.observe = observe  # type: ignore[method-assign]
+    outs = run(engine, requests)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert engine.stats()["spec_num_drafts"] > 5
+    assert kept_above == []  # the controller never handed a large batch's output to the head
+
+
 def _edit(head: Path, out: Path, config=None, drop: str | None = None, reshape: str | None = None) -> Path:  # noqa: ANN001
     out.mkdir()
     cfg = json.loads((head / "config.json").read_text())
