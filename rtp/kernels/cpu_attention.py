@@ -49,6 +49,9 @@ _SOURCE = SIMD_HEADER + r"""
 #include <limits>
 #include <vector>
 
+// __builtin_shufflevector: clang, and GCC from 12 (older compilers take one dot product per key below).
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define RTP_HSUM8X8 1
 // Lane j = the sum of a[j]'s eight lanes: eight dot products finished at once (a tree of shuffles and
 // adds, instead of eight horizontal sums one lane at a time).
 static inline v8f hsum8x8(const v8f* a) {
@@ -68,12 +71,14 @@ static inline v8f hsum8x8(const v8f* a) {
   return __builtin_shufflevector(y0, y1, 0, 1, 2, 3, 8, 9, 10, 11) +
          __builtin_shufflevector(y0, y1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
+#endif
 
 // s[j] = q . k_j for the n keys k_j = k + j * stride (D values each; q in fp32). Eight keys at a time
 // share each load of q and end in one shuffle tree (hsum8x8); the rest one dot product each.
 template <typename T>
 static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s) {
   int64_t j = 0;
+#ifdef RTP_HSUM8X8
   if (D % 8 == 0) {
     for (; j + 8 <= n; j += 8) {
       v8f a[8] = {};
@@ -86,6 +91,7 @@ static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n,
       store8(s + j, hsum8x8(a));
     }
   }
+#endif
   for (; j < n; ++j) s[j] = dot_f(q, k + j * stride, D);
 }
 
