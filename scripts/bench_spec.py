@@ -144,7 +144,8 @@ def main() -> None:
     for name in names:
         med = statistics.median(times[name])
         p = parts[name]
-        per_step = {k: v / args.rounds / steps[name] * 1e3 for k, v in p.items() if k in ("execute", "propose", "observe")}
+        per_step = {k: v / args.rounds / steps[name] * 1e3 for k, v in p.items()
+                    if k in ("execute", "propose", "observe")}
         line = (f"{name:>14}: {med * 1e3:7.1f} ms  {tokens / med:7.1f} tok/s  {steps[name]:4d} steps  "
                 + "  ".join(f"{k} {v:.2f} ms/step" for k, v in per_step.items()))
         if "acceptance_length" in p:
