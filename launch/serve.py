@@ -10,7 +10,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rtp.cli import exit_process  # noqa: E402
 from rtp.entrypoints.serve import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

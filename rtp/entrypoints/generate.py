@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 
 import rtp
-from rtp.cli import add_common_args, fail
+from rtp.cli import add_common_args, exit_process, fail
 from rtp.entrypoints.flags import ENGINE_FLAGS, OneLineParser, add_flags, load_config_from_args
 from rtp.errors import RequestError, RtpError
 from rtp.outputs import CompletionOutput, RequestOutput
@@ -131,4 +130,4 @@ def _output_line(o: RequestOutput) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import rtp
-from rtp.cli import add_common_args, fail
+from rtp.cli import add_common_args, exit_process, fail
 from rtp.entrypoints.flags import (
     ENGINE_FLAGS,
     SERVER_FLAGS,
@@ -79,4 +78,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
