@@ -107,13 +107,9 @@ def chunk_metadata(chunks: list[tuple[int, int]], table: np.ndarray, block_size:
     q = np.fromiter((n for _, n in chunks), dtype=np.int64, count=len(chunks))  # [B]
     start = np.fromiter((s for s, _ in chunks), dtype=np.int64, count=len(chunks))  # [B]
     end = start + q  # [B] keys per chunk
-    max_q = int(q.max())
-    if max_q == 1:  # one token per chunk (a draft step): a chunk's token sits at its start
-        owner, positions, cu_q = np.arange(len(chunks)), start, np.arange(1, len(chunks) + 1)
-    else:
-        owner = np.repeat(np.arange(len(chunks)), q)  # [T] chunk of each flat token
-        cu_q = np.add.accumulate(q)  # [B]
-        positions = start[owner] + np.arange(int(cu_q[-1])) - (cu_q - q)[owner]  # [T]
+    owner = np.repeat(np.arange(len(chunks)), q)  # [T] chunk of each flat token
+    cu_q = np.add.accumulate(q)  # [B]
+    positions = start[owner] + np.arange(int(cu_q[-1])) - (cu_q - q)[owner]  # [T]
     slots = table[owner, positions // bs] * bs + positions % bs  # [T]
     cu = np.zeros((2, len(chunks) + 1), dtype=np.int32)  # [2, B + 1]: query and key offsets
     cu[0, 1:], cu[1, 1:] = cu_q, np.add.accumulate(end)
@@ -122,7 +118,7 @@ def chunk_metadata(chunks: list[tuple[int, int]], table: np.ndarray, block_size:
         slot_mapping=torch.from_numpy(slots).to(device), cu_seqlens_q=cu_t[0], cu_seqlens_k=cu_t[1],
         context_lens=torch.from_numpy(end.astype(np.int32)).to(device),
         block_tables=torch.from_numpy(table.astype(np.int32)).to(device),
-        max_seqlen_q=max_q, max_seqlen_k=int(end.max()), q_lens=q.tolist(), k_lens=end.tolist(),
+        max_seqlen_q=int(q.max()), max_seqlen_k=int(end.max()), q_lens=q.tolist(), k_lens=end.tolist(),
     )
     return meta, positions, cu_q
 
