@@ -81,53 +81,20 @@ def check_eagle3_head(config: RtpConfig, target_dir: Path) -> None:
 
 
 class FeatureBuffer:
-    """One sequence's head features, positions ``[first, first + n)`` ([n, H]).
-
-    A step's rows are kept as a view of that step's features until they are read (a sequence that does
-    not draft, in a batch above ``disable_by_batch_size``, costs one list append per step); reading
-    appends them to a buffer that doubles when full (a copy of the whole history per step was O(length)).
-    """
+    """One sequence's head features, positions ``[first, first + n)`` ([n, H]), in a buffer that doubles when
+    full: a step writes its rows in place (a copy of the whole history per step was O(length))."""
 
     def __init__(self, first: int, rows: torch.Tensor) -> None:
         self.first, self.n = first, 0
         self.buf = rows.new_empty((max(16, rows.shape[0]), rows.shape[1]))  # [capacity, H]
-        self.pending: list[torch.Tensor] = []  # rows of positions first + n, ..., not yet in buf
-        self.pending_rows = 0
         self.put(first, rows)
 
     def put(self, first: int, rows: torch.Tensor) -> bool:
-        """Keep ``rows`` [m, H] for positions ``first ..`` (they replace what they overlap, and what followed is
-        dropped); False (nothing kept) where they do not start inside or right after the kept range."""
-        end = self.first + self.n + self.pending_rows
-        if not self.first <= first <= end:
+        """Write ``rows`` [m, H] at positions ``first ..`` (they replace what they overlap, and what followed is
+        dropped); False (nothing written) where they do not start inside or right after the kept range."""
+        if not self.first <= first <= self.first + self.n:
             return False
-        if first == end:
-            self.pending.append(rows)
-            self.pending_rows += rows.shape[0]
-            return True
-        self._flush()
         at = first - self.first
-        self._write(at, rows)
-        return True
-
-    def rows(self) -> torch.Tensor:
-        """The kept features [n, H] (a view)."""
-        self._flush()
-        return self.buf[: self.n]
-
-    def drop_before(self, position: int) -> None:
-        """Forget the features of positions before ``position`` (their memory goes when the buffer next grows)."""
-        self._flush()
-        cut = min(max(position - self.first, 0), self.n)
-        self.buf, self.first, self.n = self.buf[cut:], self.first + cut, self.n - cut
-
-    def _flush(self) -> None:
-        for rows in self.pending:
-            self._write(self.n, rows)
-        self.pending, self.pending_rows = [], 0
-
-    def _write(self, at: int, rows: torch.Tensor) -> None:
-        """Rows at buffer offset ``at``; the kept range ends after them."""
         need = at + rows.shape[0]
         if need > self.buf.shape[0]:
             grown = self.buf.new_empty((max(need, 2 * self.buf.shape[0]), self.buf.shape[1]))
@@ -135,6 +102,16 @@ class FeatureBuffer:
             self.buf = grown
         self.buf[at:need] = rows
         self.n = need
+        return True
+
+    def rows(self) -> torch.Tensor:
+        """The kept features [n, H] (a view)."""
+        return self.buf[: self.n]
+
+    def drop_before(self, position: int) -> None:
+        """Forget the features of positions before ``position`` (their memory goes when the buffer next grows)."""
+        cut = min(max(position - self.first, 0), self.n)
+        self.buf, self.first, self.n = self.buf[cut:], self.first + cut, self.n - cut
 
 
 class Eagle3Proposer:
