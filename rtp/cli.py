@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import logging
 import os
 import sys
 import time
 from typing import NoReturn
 
+from rtp.distributed.liveness import exit_now
 from rtp.errors import RtpError
 
 
@@ -34,16 +34,11 @@ def fail(error: RtpError) -> int:
 
 
 def exit_process(code: int) -> NoReturn:
-    """End an entry point's process with ``code`` once its work is done and rtp is shut down.
-
-    The atexit handlers run and the streams are flushed as at a normal exit; what is skipped is the
-    interpreter's finalization, where gloo's C++ destructors abort a rank (std::terminate: "terminate
-    called without an active exception", exit code -6) when a peer's connection is still being torn
-    down, after all the work was written (seen on rank 0 of a two-node pipeline run). Worker ranks end
-    the same way (rtp/runtime/startup.py).
+    """End an entry point's process with ``code`` once its work is done and rtp is shut down: the atexit
+    handlers run as at a normal exit, then :func:`rtp.distributed.liveness.exit_now` skips the
+    interpreter's finalization, where gloo's destructors aborted rank 0 of a two-node pipeline run
+    ("terminate called without an active exception") after all its work was written. Worker ranks end
+    through ``exit_now`` too (rtp/runtime/startup.py).
     """
     atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)

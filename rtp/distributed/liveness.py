@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import logging
 import os
 import signal
 import sys
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Literal, Union
+from typing import Any, Literal, NoReturn, Union
 
 from rtp.distributed.heartbeat import Heartbeat
 from rtp.distributed.pids import pid_alive, start_time
@@ -111,6 +112,17 @@ def kill_hung(failure: Failure) -> None:
     except (ProcessLookupError, PermissionError):
         return
     logger.warning("killed rank %s (pid %d): a stopped process cannot exit on its own", failure.rank, failure.pid)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a rank whose work is done and whose resources are released: logs and streams flushed, then
+    ``os._exit``. The interpreter's exit would also run gloo's C++ destructors, which abort the process
+    (std::terminate, exit -6) when a peer's connection is still being torn down: a clean stop must end
+    with its own code whatever the peers' timing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager

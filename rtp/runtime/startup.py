@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import logging
 import os
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from rtp.config import RtpConfig, resolve_tp_size
 from rtp.distributed import shm_allreduce
 from rtp.distributed.heartbeat import Heartbeat, HeartbeatRelay, interval_for
-from rtp.distributed.liveness import Failure, Watchdog, exit_deadline, kill_hung
+from rtp.distributed.liveness import Failure, Watchdog, exit_deadline, exit_now, kill_hung
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.shm_channel import ShmChannel
 from rtp.distributed.shm_segment import cleanup_stale_segments, make_segment_name
@@ -204,13 +203,7 @@ def _start(config: RtpConfig, model_dir: Path, ps: ParallelState, pids: list[int
     with exit_deadline(_teardown_budget_s(config), f"rank {ps.rank}'s teardown"):
         runner.close()
         ps.destroy()
-    # Everything this rank owns is released. The interpreter's exit would also run gloo's C++
-    # destructors, which abort the process (std::terminate) when a peer's connection is still
-    # being torn down: a clean stop must end with 0 whatever the peers' timing.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)  # everything this rank owns is released
 
 
 def _teardown_budget_s(config: RtpConfig) -> float:
