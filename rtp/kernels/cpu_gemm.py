@@ -1,16 +1,16 @@
 """Linear layers for CPUs: a small C++ GEMM over weights packed once into column panels.
 
-oneDNN's fp32 kernels on AVX2 CPUs reach neither the memory bandwidth nor the
-FMA peak at decode shapes (M = 2-32 rows): about 12 GB/s and 50 GFLOP/s at M = 8
-on a 2-core AMD EPYC, where a decode step only needs to stream its weights once.
-This kernel streams them: the weight ``[N, K]`` is re-laid out at load as panels
-of 16 output columns, ``[ceil(N / 16), K, 16]``, so that one pass over a panel
-feeds a register tile of up to 6 rows x 16 columns (12 vector accumulators, one
-fused multiply-add per weight and row). K is cut in slices of 256 so that the
-panel slice and the rows' slice stay in L1 while every 6-row tile of the batch
-reuses them; panels are spread over the threads. With few rows (decode) the
-tiles also prefetch the next slice of weights from memory. Long inputs (prompt steps) run in
-blocks of 240 rows, so that the rows a panel reads come from L2.
+A decode step only needs to stream its weights once, and oneDNN's fp32 kernels do not keep up with
+memory at decode shapes (M = 1-32 rows): about 12 GB/s and 50 GFLOP/s at M = 8 on a 2-core AVX2 AMD
+EPYC. On a 2-core AVX-512 Xeon this kernel runs a 12-layer loop of Qwen3-0.6B's linears 1.3-1.5x
+faster than oneDNN at 1-8 rows (a whole decode step at 8 sequences ~1.1x), but only 0.7-0.9x as fast
+from 64 rows up, where oneDNN's kernels are compute-bound and closer to the FMA peak. The weight ``[N, K]`` is re-laid out at load as panels of ``NR`` output columns,
+``[ceil(N / NR), K, NR]``: NR = 64 on AVX-512 (a register tile of 6 rows x 4 zmm vectors), 16
+elsewhere (6 rows x 2 ymm), one fused multiply-add per weight and row either way. K is cut in slices
+of 256 so that the panel slice stays in L1/L2 while every 6-row tile of the batch reuses it; panels
+are spread over the threads. With few rows (decode) the tiles also prefetch the next slice of
+weights from memory. Prompt steps run in blocks of 240 rows, so that the rows a panel reads come
+from L2.
 
 Weights may be float32, bfloat16 or int8 (bf16 and int8 are widened to fp32 in
 registers: half or a quarter of the bytes to stream, fp32 arithmetic, so it also
@@ -31,9 +31,6 @@ import torch
 
 from rtp.kernels.cpu_build import build
 
-PANEL = 16
-"""Output columns per packed panel (two 8-float vectors)."""
-
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,45 +38,52 @@ _SOURCE = r"""
 #include <cstring>
 #include <vector>
 
-typedef float v8f __attribute__((vector_size(32)));
-constexpr int64_t NR = 16, KC = 256, MR = 6, MB = 240;  // MB: rows per block, a multiple of MR
+// A register tile is MR rows x NV vectors of VW floats: one panel of NR = NV * VW output columns.
+// AVX-512: 6 x 4 zmm (64 columns); otherwise 6 x 2 ymm (16 columns). 24 or 12 accumulators.
+#if defined(__AVX512F__)
+constexpr int VW = 16, NV = 4;
+#else
+constexpr int VW = 8, NV = 2;
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+constexpr int64_t NR = NV * VW, MR = 6, KC = 256, MB = 240;
 constexpr int64_t PF_MAX_ROWS = 48;  // software prefetch of the weights up to this many rows
 
-static inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
-static inline v8f load8(const at::BFloat16* p) {
+static inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+static inline vf loadv(const at::BFloat16* p) {
   // bf16 is the top half of an fp32: widen by shifting 16 bits up.
-  uint16_t h[8]; std::memcpy(h, p, sizeof h);
-  uint32_t u[8];
-  for (int i = 0; i < 8; ++i) u[i] = static_cast<uint32_t>(h[i]) << 16;
-  v8f v; std::memcpy(&v, u, sizeof v); return v;
+  typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+  typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+  vh h; std::memcpy(&h, p, sizeof h);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf v; std::memcpy(&v, &u, sizeof v); return v;
+}
+static inline vf loadv(const int8_t* p) {
+  typedef int8_t vb __attribute__((vector_size(VW)));
+  typedef int32_t vi __attribute__((vector_size(VW * 4)));
+  vb b; std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(__builtin_convertvector(b, vi), vf);  // sign-extend, then convert
 }
 
-static inline v8f load8(const int8_t* p) {
-  // Sign-extend to int32 lanes, then convert (one vpmovsxbd + vcvtdq2ps on AVX2; converting an 8-byte
-  // vector directly compiles to a scalar conversion per lane).
-  typedef int32_t v8i __attribute__((vector_size(32)));
-  const v8i v = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
-  return __builtin_convertvector(v, v8f);
-}
-
-// acc[r] (16 floats of output row r) += x[r, k0:k0+kc] . w_panel[k0:k0+kc, :16], for R rows.
+// acc[r, :NR] += x[r, k0:k0+kc] . w_panel[k0:k0+kc, :NR] for R rows.
 template <int R, typename W>
 static inline void tile(const float* x, int64_t ldx, const W* w, int64_t kc, float* acc, const char* pf,
                         int64_t npf) {
-  v8f a0[R], a1[R];
-  for (int r = 0; r < R; ++r) { a0[r] = load8(acc + r * NR); a1[r] = load8(acc + r * NR + 8); }
+  vf a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = loadv(acc + r * NR + j * VW);
   for (int64_t k = 0; k < kc; ++k) {
-    const v8f w0 = load8(w + k * NR), w1 = load8(w + k * NR + 8);
     if (k < npf) __builtin_prefetch(pf + k * 64);  // one cache line of the weights ahead (see gemm_impl)
+    vf v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = loadv(w + k * NR + j * VW);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * ldx + k];
-      const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
-      a0[r] += xb * w0;
-      a1[r] += xb * w1;
+      for (int j = 0; j < NV; ++j) a[r][j] += xv * v[j];
     }
   }
-  for (int r = 0; r < R; ++r) { store8(acc + r * NR, a0[r]); store8(acc + r * NR + 8, a1[r]); }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) storev(acc + r * NR + j * VW, a[r][j]);
 }
 
 template <typename W>
@@ -99,7 +103,7 @@ template <typename W>
 static void gemm_impl(const float* x, const W* wp, const float* bias, const float* scale, float* y, int64_t M,
                       int64_t N, int64_t K) {
   // x: [M, K] fp32; wp: [ceil(N / NR), K, NR]; y: [M, N] fp32 = (x wᵀ) * scale + bias (scale: [N] or null).
-  const int64_t panels = (N + NR - 1) / NR;
+  const int64_t panels = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * NR);  // this panel's outputs, all rows
     for (int64_t p = begin; p < end; ++p) {
@@ -113,10 +117,8 @@ static void gemm_impl(const float* x, const W* wp, const float* bias, const floa
         // Decode shapes stream their weights from memory, and with a few rows the core computes too
         // little per cache line for the hardware prefetcher to keep ahead: without help the time is the
         // memory time plus the compute time, not the larger of the two. So the row tiles prefetch the
-        // next K slice (this thread's panels are one contiguous range), one line per k, shared out
-        // between the tiles: 1.05-1.2x at 8-24 rows on a 28-layer Qwen3-0.6B stack (a whole decode step
-        // at 8 sequences ~1.05x). Prompt steps compute enough per line and do not prefetch.
-        const int64_t tiles = (M + MR - 1) / MR;
+        // next K slice (this thread's panels are one contiguous range), shared out between the tiles:
+        // 1.05-1.2x at 8-24 rows on a 28-layer Qwen3-0.6B stack. Prompt steps compute enough per line.
         const int64_t lines = M > PF_MAX_ROWS ? 0 : kc * NR * (int64_t)sizeof(W) / 64;
         const int64_t per_tile = (lines + tiles - 1) / tiles;
         const char* ahead = reinterpret_cast<const char*>(panel + k0 * NR + KC * NR);
@@ -124,7 +126,8 @@ static void gemm_impl(const float* x, const W* wp, const float* bias, const floa
         for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR, ++t) {
           const char* pf = ahead + t * per_tile * 64;
           const int64_t npf = std::max<int64_t>(0, std::min({per_tile, lines - t * per_tile, (stop - pf) / 64}));
-          tile_rows(std::min(MR, M - m0), x + m0 * K + k0, K, panel + k0 * NR, kc, acc.data() + m0 * NR, pf, npf);
+          const int64_t rows = std::min(MR, M - m0);
+          tile_rows(rows, x + m0 * K + k0, K, panel + k0 * NR, kc, acc.data() + m0 * NR, pf, npf);
         }
       }
       if (scale != nullptr)
@@ -135,6 +138,8 @@ static void gemm_impl(const float* x, const W* wp, const float* bias, const floa
     }
   });
 }
+
+int64_t panel_width() { return NR; }
 
 torch::Tensor pack(torch::Tensor w) {
   // [N, K] -> [ceil(N / NR), K, NR], zero-padded columns; same dtype.
@@ -193,7 +198,7 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<t
 def load() -> ModuleType | None:
     """Build (first use) and import the kernel; None where it cannot be built."""
     # Contracting a * b + c into one FMA is what the kernel is for (C++17 mode turns it off by default).
-    return build("cpu_gemm", _SOURCE, ["pack", "gemm"], extra_cflags=("-ffp-contract=fast",))
+    return build("cpu_gemm", _SOURCE, ["pack", "gemm", "panel_width"], extra_cflags=("-ffp-contract=fast",))
 
 
 def available() -> bool:
@@ -201,8 +206,17 @@ def available() -> bool:
     return load() is not None
 
 
+def panel_width() -> int:
+    """Output columns per packed panel on this machine (64 with AVX-512, else 16)."""
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU GEMM kernel is not available on this machine")
+    return int(module.panel_width())
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` (fp32, bf16 or int8) as panels ``[ceil(N / 16), K, 16]`` for :func:`linear`."""
+    """``weight [N, K]`` (fp32, bf16 or int8) as panels ``[ceil(N / NR), K, NR]`` for :func:`linear`
+    (NR = :func:`panel_width`)."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU GEMM kernel is not available on this machine")

@@ -11,9 +11,9 @@ from rtp.kernels import cpu_gemm
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C++ compiler: the kernel cannot be built")
 
 
-# 500 rows: row blocks of 240 + 240 + 20.
+# Up to 48 rows the tiles prefetch the weights; 500 rows: row blocks of 240 + 240 + 20.
 @pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (6, 64, 256), (7, 33, 300), (13, 100, 513), (40, 48, 1024),
-                                             (500, 40, 70)])
+                                             (49, 130, 2048), (97, 64, 257), (500, 40, 70)])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 def test_gemm_matches_float64_linear(rows: int, out_f: int, in_f: int, weight_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_f)
@@ -21,7 +21,8 @@ def test_gemm_matches_float64_linear(rows: int, out_f: int, in_f: int, weight_dt
     w = torch.randn(out_f, in_f, generator=gen).to(weight_dtype)
     b = torch.randn(out_f, generator=gen)
     packed = cpu_gemm.pack(w)
-    assert packed.shape == (-(-out_f // cpu_gemm.PANEL), in_f, cpu_gemm.PANEL) and packed.dtype == weight_dtype
+    nr = cpu_gemm.panel_width()
+    assert packed.shape == (-(-out_f // nr), in_f, nr) and packed.dtype == weight_dtype
     for bias in (None, b):
         ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
         got = cpu_gemm.linear(x, packed, out_f, bias)
@@ -30,7 +31,7 @@ def test_gemm_matches_float64_linear(rows: int, out_f: int, in_f: int, weight_dt
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * in_f**0.5 * 4)
 
 
-@pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (8, 100, 513), (13, 48, 1024), (500, 40, 70)])
+@pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (8, 100, 513), (13, 48, 1024), (60, 70, 96), (500, 40, 70)])
 def test_int8_panels_with_scales_match_float64_dequantized_linear(rows: int, out_f: int, in_f: int) -> None:
     gen = torch.Generator().manual_seed(rows + out_f)
     x = torch.randn(rows, in_f, generator=gen)

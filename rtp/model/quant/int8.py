@@ -70,7 +70,7 @@ class Int8WeightOnlyMethod(PlainLinearMethod):
             q, scale = quantize_per_channel(w)
             layer.int8_weight, layer.int8_scale = q, scale.to(w.dtype)
             if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_gemm.available():
-                layer.int8_panels = cpu_gemm.pack(q)  # [ceil(N / 16), K, 16]
+                layer.int8_panels = cpu_gemm.pack(q)  # [ceil(N / NR), K, NR]
         if not keep_plain:
             layer.weight.data = torch.empty(0, dtype=w.dtype, device=w.device)
 
