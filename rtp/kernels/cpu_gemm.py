@@ -1,14 +1,17 @@
 """Linear layers for CPUs: a small C++ GEMM over weights packed once into column panels.
 
-A decode step only needs to stream its weights once, and oneDNN's fp32 kernels do not keep up with
-memory at decode shapes (M = 1-32 rows): about 12 GB/s and 50 GFLOP/s at M = 8 on a 2-core AVX2 AMD
-EPYC. On a 2-core AVX-512 Xeon this kernel runs a 12-layer loop of Qwen3-0.6B's linears 1.3-1.5x
-faster than oneDNN at 1-8 rows (a whole decode step at 8 sequences ~1.1x), but only 0.7-0.9x as fast
-from 64 rows up, where oneDNN's kernels are compute-bound and closer to the FMA peak. The weight ``[N, K]`` is re-laid out at load as panels of ``NR`` output columns,
+A decode step only needs to stream its weights once, and oneDNN's fp32 kernels do not keep up
+with memory at decode shapes (M = 1-32 rows): about 12 GB/s and 50 GFLOP/s at M = 8 on a 2-core
+AVX2 AMD EPYC. On a 2-core AVX-512 Xeon this kernel runs a 12-layer loop of Qwen3-0.6B's linears
+1.1-1.5x as fast as oneDNN at 1-32 rows, even at 64, and 0.84x at 256, where oneDNN's kernels are
+compute-bound and closer to the FMA peak (for small weights that stay in cache, such as the 3.4M
+default model's, oneDNN leads from ~64 rows).
+
+The weight ``[N, K]`` is re-laid out at load as panels of ``NR`` output columns,
 ``[ceil(N / NR), K, NR]``: NR = 64 on AVX-512 (a register tile of 6 rows x 4 zmm vectors), 16
-elsewhere (6 rows x 2 ymm), one fused multiply-add per weight and row either way. K is cut in slices
-of 256 so that the panel slice stays in L1/L2 while every 6-row tile of the batch reuses it; panels
-are spread over the threads. The tiles also prefetch the next slice of weights from memory into L2.
+elsewhere (6 rows x 2 ymm), one fused multiply-add per weight and row either way. K is cut in
+slices of 256 so that the panel slice stays in L1/L2 while every 6-row tile of the batch reuses it;
+panels are spread over the threads. The tiles also prefetch the next slice of weights from memory.
 Prompt steps run in equal blocks of at most 240 rows, so that the rows a panel reads come from L2.
 
 Weights may be float32, bfloat16 or int8 (bf16 and int8 are widened to fp32 in
