@@ -42,30 +42,39 @@ _SOURCE = r"""
 
 // A register tile is MR rows x NV vectors of VW floats: one panel of NR = NV * VW output columns.
 // AVX-512: 6 x 4 zmm (64 columns); otherwise 6 x 2 ymm (16 columns). 24 or 12 accumulators.
+// bf16 weights are the top half of an fp32 (widened by shifting 16 bits up); int8 ones are
+// sign-extended to int32 lanes, then converted.
 #if defined(__AVX512F__)
+#include <immintrin.h>
 constexpr int VW = 16, NV = 4;
+typedef float vf __attribute__((vector_size(64)));
+static inline vf loadv(const at::BFloat16* p) {
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+static inline vf loadv(const int8_t* p) {
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
 #else
 constexpr int VW = 8, NV = 2;
+typedef float vf __attribute__((vector_size(32)));
+static inline vf loadv(const at::BFloat16* p) {
+  uint16_t h[8]; std::memcpy(h, p, sizeof h);
+  uint32_t u[8];
+  for (int i = 0; i < 8; ++i) u[i] = static_cast<uint32_t>(h[i]) << 16;
+  vf v; std::memcpy(&v, u, sizeof v); return v;
+}
+static inline vf loadv(const int8_t* p) {
+  // one vpmovsxbd + vcvtdq2ps on AVX2 (converting an 8-byte vector directly compiles to a scalar
+  // conversion per lane)
+  typedef int32_t v8i __attribute__((vector_size(32)));
+  const v8i v = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+  return __builtin_convertvector(v, vf);
+}
 #endif
-typedef float vf __attribute__((vector_size(VW * 4)));
 constexpr int64_t NR = NV * VW, MR = 6, KC = 256, MB = 240;
 
 static inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-static inline vf loadv(const at::BFloat16* p) {
-  // bf16 is the top half of an fp32: widen by shifting 16 bits up.
-  typedef uint16_t vh __attribute__((vector_size(VW * 2)));
-  typedef uint32_t vu __attribute__((vector_size(VW * 4)));
-  vh h; std::memcpy(&h, p, sizeof h);
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  vf v; std::memcpy(&v, &u, sizeof v); return v;
-}
-static inline vf loadv(const int8_t* p) {
-  typedef int8_t vb __attribute__((vector_size(VW)));
-  typedef int32_t vi __attribute__((vector_size(VW * 4)));
-  vb b; std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(__builtin_convertvector(b, vi), vf);  // sign-extend, then convert
-}
 
 // acc[r, :NR] += x[r, k0:k0+kc] . w_panel[k0:k0+kc, :NR] for R rows.
 template <int R, typename W>
