@@ -76,6 +76,11 @@ PRESETS = {
 # (prompt length range, output length range) per preset; the rest use the 40m workload's.
 SHAPES = {"qwen3-0.6b": (32, 128, 16, 32)}
 
+# KV cache of every engine on CPU, in GiB (per rank): rtp's cpu_kv_cache_gib and vLLM's VLLM_CPU_KVCACHE_SPACE.
+# The same budget for both, so that neither queues or preempts requests the other runs at once (rtp's
+# shipped 0.5 GiB holds 2,336 fp32 tokens of Qwen3-0.6B, fewer than the 32-request workload's ~2,900).
+KV_CACHE_GIB = 2
+
 
 def workload(n: int, vocab: int, seed: int = 0, quick: bool = False, preset: str = "40m"
              ) -> list[tuple[list[int], int]]:
@@ -94,6 +99,7 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     rt = rtp.init(None, model=args.model, device=args.device, dtype=args.dtype, log_level="WARNING",
                   enable_prefix_caching=False, max_num_seqs=256, enforce_eager=args.device == "cpu",
+                  cpu_kv_cache_gib=KV_CACHE_GIB,
                   quantization=args.quantization if args.quantization != "none" else None,
                   speculative_config=spec)
     # Worker ranks never get here: they serve inside init() and exit.
@@ -386,7 +392,7 @@ def main() -> None:
         runs.append(("HF", [sys.executable, *me, "--engine", "hf"], {**base_env, "OMP_NUM_THREADS": str(args.threads)}))
     if args.vllm_python:
         venv_env = {**base_env, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                    "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": cores,
+                    "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": cores,
                     "VLLM_LOGGING_LEVEL": "WARNING"}
         venv_env.pop("PYTHONPATH")  # the vLLM venv must not import this checkout
         runs.append(("vLLM", [args.vllm_python, *me, "--engine", "vllm"], venv_env))
