@@ -35,6 +35,7 @@ from torch import nn
 from rtp.distributed.parallel import ParallelState
 from rtp.errors import CheckpointError, ModelShapeError
 from rtp.kernels import cpu_gemm
+from rtp.kernels.cpu_features import native_bf16
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
@@ -104,13 +105,16 @@ def cpu_linear_method(device: torch.device, dtype: torch.dtype) -> CpuLinearMeth
     """The packed matmul for ``dtype`` on this CPU, or None (``F.linear``).
 
     oneDNN where it is known fast: fp32 on AVX-512 CPUs, bf16 where the CPU has native bf16
-    (AVX-512 BF16 / AMX). Elsewhere rtp's panel GEMM where it builds (on AVX2 CPUs it streams
-    decode weights at about twice oneDNN's rate), else oneDNN if it runs at all.
+    (AVX-512 BF16 / AMX; oneDNN also runs bf16 on plain AVX-512, emulated: a Qwen3-0.6B decode step
+    there took 2x the fp32 one). Elsewhere rtp's panel GEMM where it builds (on AVX2 CPUs it streams
+    decode weights at about twice oneDNN's rate; bf16 weights widened in registers read half the
+    bytes), else oneDNN if it runs at all.
     """
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     wide = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
-    if onednn_packing_supported(device, dtype) and (dtype == torch.bfloat16 or wide):
+    fast = native_bf16() if dtype == torch.bfloat16 else wide
+    if onednn_packing_supported(device, dtype) and fast:
         return "onednn"
     if cpu_gemm.available():
         return "gemm"

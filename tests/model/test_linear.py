@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from rtp.distributed.parallel import ParallelState
 from rtp.kernels import cpu_gemm
+from rtp.model import linear as linear_module
 from rtp.model.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -67,6 +68,12 @@ def test_cpu_linear_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(cpu_gemm, "available", lambda: True)
     assert cpu_linear_method(cpu, torch.float32) == "onednn"
+    if onednn_packing_supported(cpu, torch.bfloat16):
+        # bf16: oneDNN only with native bf16 dot products; emulated, the panel GEMM reads half the bytes
+        monkeypatch.setattr(linear_module, "native_bf16", lambda: True)
+        assert cpu_linear_method(cpu, torch.bfloat16) == "onednn"
+        monkeypatch.setattr(linear_module, "native_bf16", lambda: False)
+        assert cpu_linear_method(cpu, torch.bfloat16) == "gemm"
 
 
 def test_tied_lm_head_keeps_the_embedding_weight(tmp_path) -> None:  # noqa: ANN001
