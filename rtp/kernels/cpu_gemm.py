@@ -72,6 +72,7 @@ static inline vf loadv(const int8_t* p) {
 }
 #endif
 constexpr int64_t NR = NV * VW, MR = 6, KC = 256, MB = 240;
+constexpr int64_t PF_L1_MAX_ROWS = 48;  // up to this many rows the weight prefetch goes to L1, above to L2
 
 static inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
@@ -131,7 +132,8 @@ static void gemm_impl(const float* x, const W* wp, const float* bias, const floa
         // loop: without help the time is the memory time plus the compute time, not the larger of the
         // two. So the row tiles prefetch the next K slice (this thread's panels are one contiguous
         // range), shared out between the tiles: 1.05-1.2x at 8-24 rows on a 28-layer Qwen3-0.6B stack.
-        // Up to 48 rows into L1; above into L2 only, where it still gives 1.1-1.2x at 64-128 rows.
+        // Into L1 up to PF_L1_MAX_ROWS rows; above into L2 only, where it still gives 1.1-1.2x at
+        // 64-128 rows.
         const int64_t lines = kc * NR * (int64_t)sizeof(W) / 64;
         const int64_t per_tile = (lines + tiles - 1) / tiles;
         const char* ahead = reinterpret_cast<const char*>(panel + k0 * NR + KC * NR);
@@ -140,7 +142,7 @@ static void gemm_impl(const float* x, const W* wp, const float* bias, const floa
           const char* pf = ahead + t * per_tile * 64;
           const int64_t npf = std::max<int64_t>(0, std::min({per_tile, lines - t * per_tile, (stop - pf) / 64}));
           const int64_t rows = std::min(MR, M - m0);
-          tile_rows(rows, x + m0 * K + k0, K, panel + k0 * NR, kc, acc.data() + m0 * NR, pf, npf, M <= 48);
+          tile_rows(rows, x + m0 * K + k0, K, panel + k0 * NR, kc, acc.data() + m0 * NR, pf, npf, M <= PF_L1_MAX_ROWS);
         }
       }
       if (scale != nullptr)
