@@ -44,11 +44,14 @@ class PlanBuilder:
         """
         plan = StepPlan()
         sent = self._sent
+        logprob_ids = plan.prompt_logprob_seq_ids
         for seq, n in zip(new, new_tokens):
             plan.new_seqs.append(
                 NewSeq(seq.seq_id, list(seq.token_ids), list(seq.block_table), seq.num_computed_tokens, n)
             )
             sent[seq.seq_id] = (len(seq.token_ids), len(seq.block_table))
+            if seq.needs_prompt_logits:
+                logprob_ids.append(seq.seq_id)
         # Deltas as columns (see CachedSeqs), filled with local appends: this loop runs for every
         # running sequence on every step.
         cached = plan.cached_seqs
@@ -57,12 +60,16 @@ class PlanBuilder:
         for seq in running:
             seq_id, tokens, table = seq.seq_id, seq.token_ids, seq.block_table
             num_sent_tokens, num_sent_blocks = sent[seq_id]
+            num_tokens, num_blocks = len(tokens), len(table)
             ids.append(seq_id)
-            token_counts.append(len(tokens) - num_sent_tokens)
+            token_counts.append(num_tokens - num_sent_tokens)
             token_ids += tokens[num_sent_tokens:]
-            block_counts.append(len(table) - num_sent_blocks)
-            block_ids += table[num_sent_blocks:]
-            sent[seq_id] = (len(tokens), len(table))
+            block_counts.append(num_blocks - num_sent_blocks)
+            if num_blocks > num_sent_blocks:  # a decode gets a block once every block_size steps
+                block_ids += table[num_sent_blocks:]
+            sent[seq_id] = (num_tokens, num_blocks)
+            if seq.needs_prompt_logits:
+                logprob_ids.append(seq_id)
         cached.num_new_tokens = list(running_tokens)
         cached.rollback_tokens, cached.rollback_blocks = [0] * len(ids), [0] * len(ids)
         cached.draft_counts = [0] * len(ids)  # drafts, if any, are added by add_drafts
@@ -70,7 +77,6 @@ class PlanBuilder:
             for i, seq_id in enumerate(ids):
                 if seq_id in self._rollback:
                     cached.rollback_tokens[i], cached.rollback_blocks[i] = self._rollback.pop(seq_id)
-        plan.prompt_logprob_seq_ids = [s.seq_id for s in new + running if s.needs_prompt_logits]
         if new or running:
             plan.freed_seq_ids, self._pending_freed = self._pending_freed, []
         return plan

@@ -56,6 +56,8 @@ from rtp.log import get_logger
 
 logger = get_logger(__name__)
 
+_RUNNING = SequenceStatus.RUNNING
+
 __all__ = ["ScheduleResult", "ScheduledSeq", "Scheduler", "SchedulerLimits", "SchedulerCounters", "SchedulerStats"]
 
 
@@ -204,24 +206,27 @@ class Scheduler:
         bs, caching = bm.block_size, bm.enable_prefix_caching
         tokens = iter(sampled_token_ids)
         counters = self.counters
+        num_decodes = 0  # counted here, added once (this loop runs for every sequence on every step)
+        eos, max_len = self.eos_token_ids, min(self.config.max_model_len, self.capacity + 1)
         finished: list[Sequence] = []
         for seq, n, needs_sample in zip(result.seqs, result.num_new_tokens, result.needs_sample):
             token = next(tokens) if needs_sample else None
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not _RUNNING:
                 continue  # aborted or finished by the engine after schedule(): drop its result
-            if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                counters.num_decode_tokens += 1
-            elif seq.is_fork and seq.num_computed_tokens < seq.num_prompt_tokens:
+            computed = seq.num_computed_tokens
+            if n == 1 and computed >= seq.num_prompt_tokens:
+                num_decodes += 1
+            elif seq.is_fork and computed < seq.num_prompt_tokens:
                 counters.num_fork_tail_tokens += n
             else:
                 counters.num_prefill_tokens_computed += n
-                if seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + n:
+                if computed < seq.num_prompt_tokens <= computed + n:
                     counters.num_prefills += 1
-            seq.num_computed_tokens += n
-            if seq.needs_prompt_logits and seq.num_computed_tokens >= seq.num_prompt_tokens - 1:
+            seq.num_computed_tokens = computed = computed + n
+            if seq.needs_prompt_logits and computed >= seq.num_prompt_tokens - 1:
                 seq.needs_prompt_logits = False  # the engine consumed this step's prompt logits
-            assert seq.num_computed_tokens <= len(seq.block_table) * bs
-            if caching and seq.num_computed_tokens // bs > seq.num_hashed_blocks:  # a block filled up
+            assert computed <= len(seq.block_table) * bs
+            if caching and computed // bs > seq.num_hashed_blocks:  # a block filled up
                 bm.cache_computed_blocks(seq)  # only now is the KV of these blocks real
             if token is None:
                 continue
@@ -229,11 +234,15 @@ class Scheduler:
                 for child, child_token in forks.pop(seq.seq_id):
                     if self._fork(seq, child, child_token):
                         finished.append(child)
-            seq.append_token(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
-                finished.append(seq)
+            known = seq.token_ids
+            known.append(token)
+            # Most tokens end nothing: _stop_reason decides only where one of its conditions may hold.
+            if token in eos or token in seq.stop_token_set or len(known) >= max_len or len(known) >= seq.max_num_tokens:
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    self._finish(seq, reason)
+                    finished.append(seq)
+        counters.num_decode_tokens += num_decodes
         return finished
 
     def postprocess_speculative(
@@ -274,22 +283,28 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         logit_rows = cfg.max_prompt_logit_rows  # prompt positions left this step for prompt logprobs
         bs = cfg.block_size
+        seats = cfg.max_num_seqs if seats is None else seats
         running = ScheduleResult()
+        # The columns of ScheduleResult.add, filled in place: this loop runs for every running sequence
+        # on every step.
+        seqs, counts, sampled = running.seqs, running.num_new_tokens, running.needs_sample
         if drafts:
             running.drafts = []
         preempted = False
         for seq in list(self.running):
-            if budget == 0 or (seats is not None and len(running.seqs) >= seats):
+            if budget == 0 or len(seqs) >= seats:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not _RUNNING:
                 continue  # preempted earlier in this loop
             ahead = busy.get(seq.seq_id, 0) if busy else 0  # tokens of it in steps still in flight
             computed = seq.num_computed_tokens + ahead
-            if ahead and (computed >= len(seq.token_ids) or seq.needs_prompt_logits):
+            known = len(seq.token_ids)
+            wants_logits = seq.needs_prompt_logits
+            if ahead and (computed >= known or wants_logits):
                 continue  # its step in flight samples it (or returns prompt logits): wait for it
-            n = len(seq.token_ids) - computed
+            n = known - computed
             assert n >= 1, f"running {seq} has nothing to compute"
-            if seq.needs_prompt_logits:
+            if wants_logits:
                 n = min(n, logit_rows)
                 if n == 0:
                     continue  # its next chunk waits for the next step
@@ -299,31 +314,33 @@ class Scheduler:
                 n += len(draft)
             if n > budget:
                 n = budget
-            if computed + n > len(seq.block_table) * bs and ahead:
-                # Its earlier chunks are in flight: free blocks only, no preemption for a head start.
-                n = min(n, bm.appendable_tokens(seq) - ahead)
-                if n < 1:
-                    continue
-                bm.append(seq, computed + n)
-            elif computed + n > len(seq.block_table) * bs:
-                # The chunk spills past the last block (a decode: once every block_size steps): find room.
-                while (fit := bm.appendable_tokens(seq)) < 1:
-                    victim = self.running[-1] if not busy else next(s for s in reversed(self.running)
-                                                                    if s.seq_id not in busy)
-                    # Alone, a sequence always fits: it would have finished with "length" otherwise.
-                    assert victim is not seq or len(self.running) > 1, f"{seq} cannot fit alone"
-                    self._preempt(victim)  # always a sequence after this one: none of running's shares
-                    preempted = True
-                    if victim is seq:
-                        break
-                if seq.status is not SequenceStatus.RUNNING:
-                    break  # it preempted itself: every newer sequence is gone too
-                n = min(n, fit)
+            if computed + n > len(seq.block_table) * bs:  # the chunk spills past the last block
+                if ahead:
+                    # Its earlier chunks are in flight: free blocks only, no preemption for a head start.
+                    n = min(n, bm.appendable_tokens(seq) - ahead)
+                    if n < 1:
+                        continue
+                else:
+                    # (a decode: once every block_size steps) find room.
+                    while (fit := bm.appendable_tokens(seq)) < 1:
+                        victim = self.running[-1] if not busy else next(s for s in reversed(self.running)
+                                                                        if s.seq_id not in busy)
+                        # Alone, a sequence always fits: it would have finished with "length" otherwise.
+                        assert victim is not seq or len(self.running) > 1, f"{seq} cannot fit alone"
+                        self._preempt(victim)  # always a sequence after this one: none of running's shares
+                        preempted = True
+                        if victim is seq:
+                            break
+                    if seq.status is not _RUNNING:
+                        break  # it preempted itself: every newer sequence is gone too
+                    n = min(n, fit)
                 bm.append(seq, computed + n)
             budget -= n
-            if seq.needs_prompt_logits:
+            if wants_logits:
                 logit_rows -= n
-            running.add(seq, n, ahead)
+            seqs.append(seq)
+            counts.append(n)
+            sampled.append(computed + n >= known)  # >=: a chunk with drafts reaches past the known tokens
             if running.drafts is not None:
                 running.drafts.append(draft[: n - 1] if draft else [])
         return running, budget, logit_rows, preempted
@@ -377,9 +394,9 @@ class Scheduler:
         num_completion = num_tokens - seq.num_prompt_tokens
         # Like vLLM's stop check: eos/stop tokens count only once min_tokens tokens exist.
         if num_completion >= p.min_tokens:
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in (p.stop_token_ids or ()):
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in seq.stop_token_set:
                 return "stop"
-        if p.max_tokens is not None and num_completion >= p.max_tokens:
+        if num_tokens >= seq.max_num_tokens:  # max_tokens generated
             return "length"
         if num_tokens >= self.config.max_model_len:
             return "length"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 
 from rtp.sampling import SamplingParams
 
@@ -54,6 +55,11 @@ class Sequence:
         self.needs_prompt_logits = params.prompt_logprobs is not None and self.num_prompt_tokens >= 2
         # n > 1: True for samples 1..n-1, which start as a fork of sample 0 after its prefill.
         self.is_fork = False
+        # Where it ends (read from params once; the scheduler checks them for every token): its stop
+        # token ids, and prompt + max_tokens, the length at which it ends with "length".
+        self.stop_token_set = frozenset(params.stop_token_ids or ())
+        max_tokens = params.max_tokens
+        self.max_num_tokens = sys.maxsize if max_tokens is None else self.num_prompt_tokens + max_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -179,27 +179,25 @@ class IncrementalDetokenizer:
         if self._stopped:
             return "", True
         self._num_added += 1
-        ids = self._ids
         new_text = None
-        if self._additive and self._read_offset == len(ids):
+        if self._additive and self._read_offset == len(self._ids):
             # No token pending and the context ends on a character boundary: the
             # window's new text is this token's own text (module docstring).
             text = self._memo.get(token_id)
             if text is None:
                 text = self._decoder.decode_one(token_id, self._skip_special_tokens)
             if text and text[-1] != _REPLACEMENT:  # complete: it becomes the whole context
-                ids.clear()
-                ids.append(token_id)
+                self._ids = [token_id]
                 self._read_offset = 1
                 self._prefix_text = new_text = text
         if new_text is None:
-            ids.append(token_id)
+            self._ids.append(token_id)
             new_text = self._decode_new(final=False)
             if not new_text:
                 return "", False
         if not self._stop_strings:  # nothing to match or hold back: all of it goes out now
-            self._text += new_text
-            self._emitted = len(self._text)
+            self._text = text = self._text + new_text
+            self._emitted = len(text)
             return new_text, False
         return self._append(new_text)
 

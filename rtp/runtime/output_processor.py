@@ -207,18 +207,17 @@ class OutputProcessor:
             request_out.first_token_time = now
         delta = ""
         detok = smp.detok
+        finished = seq.status is _FINISHED
         if detok is not None:
-            for i, token in enumerate(
-                    tokens if seq.status is not _FINISHED or seq.finish_reason != "stop" else tokens[:-1]):
+            for i, token in enumerate(tokens if not finished or seq.finish_reason != "stop" else tokens[:-1]):
                 text, stopped = detok.add(token)
                 delta += text
                 if stopped:  # a stop string wins over reaching max_tokens on the same token
                     self._finish_seq(seq.seq_id, "stop")
-                    seq.finish_reason = "stop"
+                    seq.finish_reason, finished = "stop", True
                     if i + 1 < len(tokens):  # several tokens this step: those after the stop never existed
                         tokens = self._drop_after_stop(out, tokens, i + 1)
                     break
-        finished = seq.status is _FINISHED
         if finished:
             if detok is not None:
                 delta += detok.flush()

@@ -11,7 +11,7 @@ shared while being written all show up as wrong KV.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -258,6 +258,40 @@ def test_finish_conditions() -> None:
     assert minimum.finish_reason == "stop" and minimum.completion_token_ids == [EOS, 5, EOS]
     assert set(done) == {ign, minimum} and not sched.has_unfinished()
     assert sched.block_manager.num_free_blocks == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.sampled_from([EOS, 5, 7, 9]), min_size=40, max_size=40),
+    min_tokens=st.integers(0, 6),
+    max_tokens=st.one_of(st.none(), st.integers(6, 20)),
+    stop_token_ids=st.lists(st.sampled_from([5, 9]), max_size=2),
+    ignore_eos=st.booleans(),
+    prompt_len=st.integers(1, 12),
+)
+def test_finish_matches_the_stop_rule(tokens: list[int], min_tokens: int, max_tokens: int | None,
+                                      stop_token_ids: list[int], ignore_eos: bool, prompt_len: int) -> None:
+    """Each sampled token ends the sequence exactly where vLLM's stop rule says (written out here)."""
+    max_model_len = 32
+    sched, world = make(max_model_len=max_model_len)
+    s = seq(0, [1] * prompt_len, min_tokens=min_tokens, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos)
+    sched.add(s)
+    expected: tuple[int, str] | None = None  # (completion length, reason) where it must end
+    for i, token in enumerate(tokens, start=1):
+        if i >= min_tokens and ((token == EOS and not ignore_eos) or token in stop_token_ids):
+            expected = (i, "stop")
+        elif i == max_tokens or prompt_len + i >= max_model_len:
+            expected = (i, "length")
+        if expected:
+            break
+    assert expected is not None  # 40 tokens always reach max_model_len
+    for token in tokens:
+        step(sched, world, tokens=[token])
+        if s.is_finished:
+            break
+    assert (s.num_completion_tokens, s.finish_reason) == expected
+    assert s.completion_token_ids == tokens[: expected[0]]
 
 
 def test_max_model_len_finishes_with_length() -> None:
