@@ -3,7 +3,7 @@
 A decode step only needs to stream its weights once, and oneDNN's fp32 kernels do not keep up
 with memory at decode shapes (M = 1-32 rows): about 12 GB/s and 50 GFLOP/s at M = 8 on a 2-core
 AVX2 AMD EPYC. On a 2-core AVX-512 Xeon this kernel runs a 12-layer loop of Qwen3-0.6B's linears
-1.1-1.5x as fast as oneDNN at 1-32 rows, even at 64, and 0.84x at 256, where oneDNN's kernels are
+1.1-1.5x as fast as oneDNN at 1-32 rows, level with it at 64 and 0.84x at 256, where oneDNN's kernels are
 compute-bound and closer to the FMA peak (for small weights that stay in cache, such as the 3.4M
 default model's, oneDNN leads from ~64 rows).
 
