@@ -27,7 +27,8 @@ def fail(error: RtpError) -> int:
     torchrun, which stops the whole group at the first failure, does not cut the printer off.
     """
     if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {error}\n")  # one write: a log line from another thread cannot split it
+        sys.stderr.flush()
     else:
         time.sleep(2.0)
     return 1

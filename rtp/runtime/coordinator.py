@@ -119,20 +119,22 @@ class Runtime:
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start = self.engine.stats()
         last = (time.perf_counter(), start)
-        while len(done) < len(ids):
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
-                    bar.update(1)
-            now = time.perf_counter()
-            if use_tqdm and now - last[0] > 0.5:
-                stats = self.engine.stats()
-                dt = now - last[0]
-                prefill = (stats["num_prefill_tokens_computed"] - last[1]["num_prefill_tokens_computed"]) / dt
-                decode = (stats["num_decode_tokens"] - last[1]["num_decode_tokens"]) / dt
-                bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s")
-                last = (now, stats)
-        bar.close()
+        try:  # the bar ends its line on every exit, so that an error printed next starts a line of its own
+            while len(done) < len(ids):
+                for out in self.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+                now = time.perf_counter()
+                if use_tqdm and now - last[0] > 0.5:
+                    stats = self.engine.stats()
+                    dt = now - last[0]
+                    prefill = (stats["num_prefill_tokens_computed"] - last[1]["num_prefill_tokens_computed"]) / dt
+                    decode = (stats["num_decode_tokens"] - last[1]["num_decode_tokens"]) / dt
+                    bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s")
+                    last = (now, stats)
+        finally:
+            bar.close()
         end = self.engine.stats()
         logger.info(
             "generated %d requests: %d prompt tokens computed, %d prefix-cache hits, %d decode tokens, %d preemptions",
