@@ -31,6 +31,10 @@ name as soon as all have mapped it (:func:`rtp.distributed.node_segment.share_se
 the mappings live on until the processes exit, so a crash can never leave the
 segment behind.
 
+Fast path: where rtp's C++ kernels build, one call does a piece's copy, post,
+wait and sum (:mod:`rtp.kernels.cpu_allreduce`, the same steps in the same
+order), spinning for a bounded time; a longer wait comes back to Python.
+
 Waiting: a wait that outlasts the spin phase checks, every 50 ms, the late
 peers' pids (a dead peer), their heartbeats (a stopped or hung peer, within
 ``liveness_timeout_s``), ``should_abort`` (the runtime failed for another
@@ -47,6 +51,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -56,11 +61,13 @@ from rtp.distributed.liveness import died_message, hung_message
 from rtp.distributed.node_segment import share_segment
 from rtp.distributed.pids import pid_alive
 from rtp.errors import RtpError, WorkerDiedError
+from rtp.kernels import cpu_allreduce
 
 _LINE = 64
 DEFAULT_SLOT_BYTES = 1 << 20
 _SPIN_ITERS = 2000  # busy checks before yielding the core (ranks may outnumber cores)
 _CHECK_S = 0.05  # peers' pids and the deadline are checked this often while waiting
+_KERNEL_SPINS = 20_000  # pauses (~1 ms) the C++ path waits for a peer before Python's checked wait takes over
 
 
 def supported() -> bool:
@@ -81,6 +88,8 @@ class ShmAllReduce:
         self.rank_offset = 0  # global rank of this group's rank 0 (a data-parallel replica's coordinator)
         self.should_abort = should_abort  # returns why the run failed, or None while it is healthy
         self._mm = mm
+        self.kernel: ModuleType | None = None  # the C++ piece (cpu_allreduce), set by create_and_attach where it builds
+        self._segment = torch.frombuffer(mm, dtype=torch.uint8, count=self.segment_bytes(world_size, slot_bytes))
         header = _LINE * world_size
         # posted[r] is u64 number r * 8 of the header: one cache line per rank.
         self._posted = np.frombuffer(mm, dtype=np.int64, count=header // 8)[:: _LINE // 8]
@@ -98,17 +107,21 @@ class ShmAllReduce:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the node's ranks, in place; returns ``x``."""
         flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
-        slots = self._typed_slots(x.dtype)  # [2, world, slot_elems]
-        step = slots.shape[-1]
-        for start in range(0, flat.numel(), step):
-            piece = flat[start : start + step]
-            n = piece.numel()
-            op = self._post(piece, slots)
-            self._wait_all(op)
-            parts = slots[op % 2, :, :n]  # [world, n]
-            torch.add(parts[0], parts[1], out=piece)
-            for r in range(2, self.world_size):
-                piece.add_(parts[r])
+        step = self.slot_bytes // x.element_size()  # elements a piece (a slot) holds
+        kernel = self.kernel if x.dtype in cpu_allreduce.DTYPES else None
+        if kernel is not None:
+            for start in range(0, flat.numel(), step):
+                self._reduce_piece(kernel, flat, start, min(step, flat.numel() - start))
+        else:
+            slots = self._typed_slots(x.dtype)  # [2, world, step]
+            for start in range(0, flat.numel(), step):
+                piece = flat[start : start + step]
+                op = self._post(piece, slots)
+                self._wait_all(op)
+                parts = slots[op % 2, :, : piece.numel()]  # [world, n]
+                torch.add(parts[0], parts[1], out=piece)
+                for r in range(2, self.world_size):
+                    piece.add_(parts[r])
         if flat.data_ptr() != x.data_ptr():
             x.copy_(flat.view_as(x))
         return x
@@ -139,6 +152,14 @@ class ShmAllReduce:
             view = self._slots[..., : self.slot_bytes // elem * elem].view(dtype)
             self._typed[dtype] = view
         return view
+
+    def _reduce_piece(self, kernel: ModuleType, flat: torch.Tensor, start: int, n: int) -> None:
+        """The same steps as the torch path, in C++; a peer later than the kernel's spin is waited for here."""
+        op = self._op = self._op + 1
+        stage = cpu_allreduce.WAIT_FREE
+        while (stage := kernel.all_reduce_piece(flat, start, n, self._segment, self.rank, self.world_size,
+                                                self.slot_bytes, op, stage, _KERNEL_SPINS)) != cpu_allreduce.DONE:
+            self._wait_all(op - 1 if stage == cpu_allreduce.WAIT_FREE else op)
 
     def _post(self, piece: torch.Tensor, slots: torch.Tensor) -> int:
         """Copy ``piece`` into this rank's slot of the next op and publish it; returns the op number."""
@@ -191,7 +212,7 @@ class ShmAllReduce:
     def close(self) -> None:
         """Unmap the segment (the name was unlinked at setup)."""
         self._typed.clear()
-        self._slots = self._posted = None  # type: ignore[assignment]
+        self._slots = self._posted = self._segment = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:
@@ -211,6 +232,7 @@ def create_and_attach(ps, pids: list[int], timeout_s: float,  # noqa: ANN001 - a
     mm = share_segment(ps, size, "CPU all-reduce")
     peers = {r: pid for r, pid in enumerate(pids) if r != ps.rank}
     reduce = ShmAllReduce(mm, ps.rank, ps.world_size, slot_bytes, peers, timeout_s, heartbeat, should_abort)
+    reduce.kernel = cpu_allreduce.load()
     if ps.global_rank is not None:  # a data-parallel replica: its rank r is global rank r + offset
         reduce.rank_offset = ps.global_rank - ps.rank
     return reduce

@@ -7,17 +7,21 @@ import re
 import pytest
 
 from rtp.distributed import shm_allreduce
-from tests.utils import WORKERS, torchrun
+from tests.utils import HAS_CXX, WORKERS, torchrun
 
 WORKER = WORKERS / "shm_allreduce.py"
 
 pytestmark = pytest.mark.skipif(not shm_allreduce.supported(), reason="needs x86-64 store ordering")
 
 
+@pytest.mark.parametrize("path", ["check", "check-torch"])
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_collectives_equal_the_reference_on_every_rank(nproc: int) -> None:
-    out = torchrun(WORKER, nproc, "check", timeout=300)
+def test_collectives_equal_the_reference_on_every_rank(nproc: int, path: str) -> None:
+    # Bitwise: the C++ piece adds the slots in the same order with the same roundings as the torch path.
+    out = torchrun(WORKER, nproc, path, timeout=300)
     assert out.stdout.count(": OK") == nproc, out.stdout
+    kernel = path == "check" and HAS_CXX
+    assert out.stdout.count(f": kernel {'yes' if kernel else 'no'}") == nproc, out.stdout
 
 
 def test_a_dead_peer_is_an_error_not_a_hang() -> None:
