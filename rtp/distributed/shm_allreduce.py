@@ -128,7 +128,10 @@ class ShmAllReduce:
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` (same shape everywhere) along ``dim`` on rank 0; None elsewhere."""
-        flat = x.contiguous().view(-1)
+        x = x.contiguous()
+        if x.dim() == 2 and dim in (-1, 1) and x.shape[1] and self.slot_bytes >= x.shape[1] * x.element_size():
+            return self._gather_columns(x)
+        flat = x.view(-1)
         slots = self._typed_slots(x.dtype)
         step = slots.shape[-1]
         out = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == 0 else None
@@ -142,6 +145,29 @@ class ShmAllReduce:
         if out is None:
             return None
         return torch.cat([o.view_as(x) for o in out], dim=dim)
+
+    def _gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`gather` of ``x [rows, cols]`` along its columns (the logits' vocabulary shards), in pieces of
+        whole rows: rank 0 copies its own rows straight into the result (it posts no data, only the
+        counter) and each peer's piece from the slot into that rank's columns; one copy per element."""
+        rows, cols = x.shape
+        per_piece = self.slot_bytes // (cols * x.element_size())  # rows a slot holds (every rank agrees)
+        slots = self._typed_slots(x.dtype)
+        out = None
+        if self.rank == 0:
+            out = torch.empty(rows, self.world_size * cols, dtype=x.dtype)
+            out[:, :cols].copy_(x)
+        for first in range(0, rows, per_piece):
+            block = x[first : first + per_piece]  # [r, cols], contiguous
+            if out is None:
+                self._post(block.view(-1), slots)
+                continue
+            op = self._post(None, slots)
+            self._wait_all(op)
+            n, last = block.numel(), first + block.shape[0]
+            for r in range(1, self.world_size):
+                out[first:last, r * cols : (r + 1) * cols].copy_(slots[op % 2, r, :n].view(-1, cols))
+        return out
 
     # ------------------------------------------------------------ internals
 
@@ -161,11 +187,13 @@ class ShmAllReduce:
                                                 self.slot_bytes, op, stage, _KERNEL_SPINS)) != cpu_allreduce.DONE:
             self._wait_all(op - 1 if stage == cpu_allreduce.WAIT_FREE else op)
 
-    def _post(self, piece: torch.Tensor, slots: torch.Tensor) -> int:
-        """Copy ``piece`` into this rank's slot of the next op and publish it; returns the op number."""
+    def _post(self, piece: torch.Tensor | None, slots: torch.Tensor) -> int:
+        """Copy ``piece`` (None: no data, the counter alone) into this rank's slot of the next op and publish
+        it; returns the op number."""
         op = self._op = self._op + 1
         self._wait_all(op - 1)  # buffer op % 2 is free once everyone left op - 2
-        slots[op % 2, self.rank, : piece.numel()].copy_(piece)
+        if piece is not None:
+            slots[op % 2, self.rank, : piece.numel()].copy_(piece)
         self._posted[self.rank] = op  # after the copy (see the module docstring)
         return op
 

@@ -84,6 +84,14 @@ def main() -> None:
                 assert torch.equal(got, torch.cat(parts, dim=-1)), (numel, dtype)
             else:
                 assert got is None
+    # Rows wider than a slot take the flat path, whole rows a slot holds the column path; also no rows at all.
+    for rows, cols, dtype in [(3, 1500, torch.float32), (5, 1500, torch.bfloat16), (0, 9, torch.float32)]:
+        parts = [torch.randn(rows, cols, generator=g).to(dtype) for _ in range(ps.world_size)]
+        got = ar.gather(parts[ps.rank], dim=-1)
+        if ps.rank == 0:
+            assert torch.equal(got, torch.cat(parts, dim=-1)), (rows, cols, dtype)
+        else:
+            assert got is None
     # A non-contiguous tensor is reduced in place too.
     base = torch.full((6, 10), float(ps.rank + 1))
     view = base[:, ::2]
