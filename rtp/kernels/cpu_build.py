@@ -58,7 +58,7 @@ def build(prefix: str, source: str, functions: list[str], extra_cflags: tuple[st
         if built is not None:
             return built
         _remove_stale_build_lock(name)
-        logger.info("loading the CPU %s kernel (built on first use, about a minute)", prefix.replace("_", " "))
+        logger.info("loading the CPU %s kernel (built on first use, about a minute)", _kernel_name(prefix))
         return load_inline(
             name=name,
             cpp_sources=[source],
@@ -68,9 +68,14 @@ def build(prefix: str, source: str, functions: list[str], extra_cflags: tuple[st
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: all mean "use torch"
-        logger.warning("CPU %s kernel unavailable (%s); using the slower torch path", prefix.replace("_", " "),
+        logger.warning("CPU %s kernel unavailable (%s); using the slower torch path", _kernel_name(prefix),
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
+
+
+def _kernel_name(prefix: str) -> str:
+    """The kernel as the log names it: "cpu_int8_gemm" -> "int8 gemm"."""
+    return prefix.removeprefix("cpu_").replace("_", " ")
 
 
 def _import_built(name: str) -> ModuleType | None:

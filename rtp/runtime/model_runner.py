@@ -20,6 +20,7 @@ from rtp.core.step import StepPlan
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.pipeline import StageLink, stage_layers
 from rtp.errors import ConfigError
+from rtp.kernels import cpu_ops
 from rtp.kernels.cpu_features import native_bf16
 from rtp.kernels.fp8_kv import kv_cache_dtype
 from rtp.log import get_logger
@@ -186,6 +187,8 @@ class ModelRunner:
                                   f"newer (Ada, Hopper); this one is {cap[0]}.{cap[1]}: use kv_cache_dtype=auto")
         # "flash", "triton", "cpu" or "torch" (an fp8 cache: "triton" on CUDA, "torch" on CPU)
         self.attn_backend = choose_attn_backend(ps.device, self.dtype, self.kv_cache_dtype)
+        if ps.device.type == "cpu":
+            cpu_ops.load()  # the fused layer ops: built (first use) now, not inside the first step
         block_size = cache.block_size or (256 if self.attn_backend == "flash" else 16)
         if self.attn_backend == "flash" and block_size % 256:
             raise ConfigError(f"block_size={block_size} is invalid with flash-attn: paged KV needs a multiple of 256")
