@@ -412,6 +412,7 @@ def main() -> None:
             print(f"running {name} ..." + (f" (round {k + 1} of {args.rounds})" if args.rounds > 1 else ""), flush=True)
             res = run_child(name, cmd, env, timeout=1800)
             if res is not None:
+                res["decode_ms"] = (res["generate_s"] - res["prefill_s"]) / max(1, res["decode_steps"]) * 1e3
                 rounds.setdefault(name, []).append(res)
     results = {name: median_result(rs) for name, rs in rounds.items()}
 
@@ -430,10 +431,9 @@ def main() -> None:
     print(f"{'engine':<14} {'process s':>10} {'generate s':>11} {'/ floor':>8} {'prefill tok/s':>14} "
           f"{'decode ms/step':>15}")
     for name, r in results.items():
-        decode_ms = r["decode_ms"]
         over = f"{r['generate_s'] / floor:.2f}" if floor else "-"
         print(f"{name:<14} {r['process_s']:>10.2f} {r['generate_s']:>11.2f} {over:>8} "
-              f"{prompt_tokens / r['prefill_s']:>14.0f} {decode_ms:>15.2f}")
+              f"{prompt_tokens / r['prefill_s']:>14.0f} {r['decode_ms']:>15.2f}")
     for name, r in results.items():
         spec = r.get("spec") or {}
         if spec.get("spec_num_drafts"):
@@ -464,10 +464,8 @@ RATIO_KEYS = ("process_s", "generate_s", "prefill_s", "decode_ms")
 
 
 def median_result(runs: list[dict]) -> dict:
-    """One engine's rounds as one result: the median of each time (decode ms/step per round first); the
-    outputs and counters of the first round (greedy outputs are the same in every round)."""
-    for r in runs:
-        r["decode_ms"] = (r["generate_s"] - r["prefill_s"]) / max(1, r["decode_steps"]) * 1e3
+    """One engine's rounds as one result: the median of each time; the outputs and counters of the first round
+    (greedy outputs are the same in every round)."""
     out = dict(runs[0])
     for key in RATIO_KEYS:
         out[key] = statistics.median(r[key] for r in runs)

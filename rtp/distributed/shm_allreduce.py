@@ -93,8 +93,7 @@ class ShmAllReduce:
         header = _LINE * world_size
         # posted[r] is u64 number r * 8 of the header: one cache line per rank.
         self._posted = np.frombuffer(mm, dtype=np.int64, count=header // 8)[:: _LINE // 8]
-        raw = torch.frombuffer(mm, dtype=torch.uint8, offset=header, count=2 * world_size * slot_bytes)
-        self._slots = raw.view(2, world_size, slot_bytes)  # [buffer, rank, bytes]
+        self._slots = self._segment[header:].view(2, world_size, slot_bytes)  # [buffer, rank, bytes]
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._op = int(self._posted[rank])
 

@@ -23,15 +23,14 @@ from types import ModuleType
 import torch
 
 from rtp.kernels.cpu_build import build
+from rtp.kernels.cpu_simd import SIMD_HEADER
 
 # Stages of one piece (the kernel returns the stage it stopped at, DONE when it finished).
 WAIT_FREE, WAIT_PEERS, DONE = 0, 1, 2
 DTYPES = (torch.float32, torch.bfloat16)
 
-_SOURCE = r"""
+_SOURCE = SIMD_HEADER + r"""
 #include <torch/extension.h>
-#include <cstdint>
-#include <cstring>
 #if defined(__x86_64__)
 #include <immintrin.h>
 static inline void relax() { _mm_pause(); }
@@ -54,38 +53,15 @@ static inline bool spin_until(const int64_t* posted, int64_t world, int64_t op, 
   return false;
 }
 
-static inline float bf16_to_f(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Round to nearest even, NaN to the canonical quiet NaN: what c10::BFloat16's constructor does.
-static inline uint16_t f_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (f != f) return 0x7FC0;
-  return static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16);
-}
-
-static void sum_f32(float* out, const char* slots, int64_t world, int64_t slot_bytes, int64_t n) {
-  const float* a = reinterpret_cast<const float*>(slots);
-  const float* b = reinterpret_cast<const float*>(slots + slot_bytes);
-  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
-  for (int64_t r = 2; r < world; ++r) {
-    const float* c = reinterpret_cast<const float*>(slots + r * slot_bytes);
-    for (int64_t i = 0; i < n; ++i) out[i] += c[i];
-  }
-}
-
-static void sum_bf16(uint16_t* out, const char* slots, int64_t world, int64_t slot_bytes, int64_t n) {
-  const uint16_t* a = reinterpret_cast<const uint16_t*>(slots);
-  const uint16_t* b = reinterpret_cast<const uint16_t*>(slots + slot_bytes);
-  for (int64_t i = 0; i < n; ++i) out[i] = f_to_bf16(bf16_to_f(a[i]) + bf16_to_f(b[i]));
-  for (int64_t r = 2; r < world; ++r) {
-    const uint16_t* c = reinterpret_cast<const uint16_t*>(slots + r * slot_bytes);
-    for (int64_t i = 0; i < n; ++i) out[i] = f_to_bf16(bf16_to_f(out[i]) + bf16_to_f(c[i]));
+// out = slot[0] + slot[1] (+ slot[2] ...), each add rounded to T (cpu_simd's load8/store8: torch's casts).
+template <typename T>
+static void sum_slots(T* out, const char* slots, int64_t world, int64_t slot_bytes, int64_t n) {
+  for (int64_t r = 1; r < world; ++r) {
+    const T* a = r == 1 ? reinterpret_cast<const T*>(slots) : out;
+    const T* b = reinterpret_cast<const T*>(slots + r * slot_bytes);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(out + i, load8(a + i) + load8(b + i));
+    for (; i < n; ++i) out[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
   }
 }
 
@@ -108,9 +84,9 @@ int64_t all_reduce_piece(torch::Tensor flat, int64_t start, int64_t n, torch::Te
   }
   if (!spin_until(posted, world, op, spins)) return 1;
   if (flat.scalar_type() == at::kFloat)
-    sum_f32(reinterpret_cast<float*>(mine), buffer, world, slot_bytes, n);
+    sum_slots(reinterpret_cast<float*>(mine), buffer, world, slot_bytes, n);
   else if (flat.scalar_type() == at::kBFloat16)
-    sum_bf16(reinterpret_cast<uint16_t*>(mine), buffer, world, slot_bytes, n);
+    sum_slots(reinterpret_cast<at::BFloat16*>(mine), buffer, world, slot_bytes, n);
   else
     TORCH_CHECK(false, "all_reduce_piece: float32 and bfloat16 only");
   return 2;
