@@ -1,0 +1,40 @@
+"""The KV cache's zero-filled allocation (:func:`rtp.runtime.kv_cache.zeroed`)."""
+
+import gc
+
+import pytest
+import torch
+
+from rtp.runtime.kv_cache import zeroed
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_zeroed_matches_torch_zeros_and_is_independent_memory(dtype):
+    shape = (5, 16, 2, 8)
+    a, b = zeroed(shape, dtype, CPU), zeroed(shape, dtype, CPU)
+    gc.collect()  # nothing but the tensors holds the mappings
+    for t in (a, b):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device == CPU
+        assert torch.equal(t.float(), torch.zeros(shape))
+    a[2, 3] = 1.5  # writable, and b is not a view of the same memory
+    gc.collect()
+    assert a.float().sum().item() == pytest.approx(1.5 * 2 * 8)
+    assert b.float().abs().sum().item() == 0.0
+
+
+def test_zeroed_views_outlive_the_tensor_they_came_from():
+    t = zeroed((4, 1024), torch.float32, CPU)
+    view = t[1:3]
+    del t
+    gc.collect()
+    view += 2.0  # the mapping is still there: writing to it must not fault
+    assert torch.equal(view, torch.full((2, 1024), 2.0))
+
+
+def test_zeroed_falls_back_to_torch_zeros_off_the_cpu_and_for_empty_shapes():
+    t = zeroed((3, 4), torch.float32, torch.device("meta"))
+    assert t.device.type == "meta" and t.shape == (3, 4)
+    e = zeroed((0, 16, 2, 8), torch.bfloat16, CPU)
+    assert e.shape == (0, 16, 2, 8) and e.dtype == torch.bfloat16
