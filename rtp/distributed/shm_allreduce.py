@@ -173,7 +173,7 @@ class ShmAllReduce:
     def _typed_slots(self, dtype: torch.dtype) -> torch.Tensor:
         view = self._typed.get(dtype)
         if view is None:
-            elem = torch.empty(0, dtype=dtype).element_size()
+            elem = dtype.itemsize
             view = self._slots[..., : self.slot_bytes // elem * elem].view(dtype)
             self._typed[dtype] = view
         return view

@@ -19,7 +19,7 @@ def bytes_per_block(layers: list[PagedAttention], block_size: int, dtype: torch.
 
     An FP8 cache costs one byte per element: the same budget holds twice the blocks of a bf16 cache.
     """
-    elem = torch.tensor([], dtype=dtype).element_size()
+    elem = dtype.itemsize
     return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in layers)
 
 
@@ -79,7 +79,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     The tensor keeps the mapping alive; it is unmapped when the tensor is freed.
     """
     populate = getattr(mmap, "MAP_POPULATE", 0)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or not populate or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
