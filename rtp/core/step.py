@@ -183,6 +183,9 @@ class StepPlan:
     freed_seq_ids: list[int] = field(default_factory=list)  # finished, aborted or preempted
     # Sequences of this step whose every chunk position needs logits (prompt logprobs), not only the last.
     prompt_logprob_seq_ids: list[int] = field(default_factory=list)
+    # Every sampled row takes the plain argmax of its logits (rank 0's requests are all plain greedy): the
+    # ranks pick the tokens from their vocabulary shards and rank 0 gets token ids, not logits.
+    sample_argmax: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.cached_seqs, CachedSeqs):
@@ -202,9 +205,10 @@ class StepPlan:
 #   header  magic "RTPS" | version u8 | kind u8 | 10 count-dtype codes u8
 #           n_new u32 | n_cached u32 | n_freed u32 | n_prompt_logprob u32
 #           totals u32 x4 (flat lengths: new tokens, new blocks, cached new
-#           tokens, cached new blocks) | body_len u32 | crc32 u32
+#           tokens, cached new blocks) | flags u32 (bit 0: sample_argmax)
+#           | body_len u32 | crc32 u32
 #   body    int32 arrays first (ids, token ids, block ids), so they stay
-#           4-byte aligned after the 56-byte header:
+#           4-byte aligned after the 60-byte header:
 #             new_seq_ids [n_new], new_tokens [tot0], new_blocks [tot1],
 #             cached_seq_ids [n_cached], cached_tokens [tot2],
 #             cached_blocks [tot3], freed_seq_ids [n_freed],
@@ -219,17 +223,18 @@ class StepPlan:
 #
 # The crc32 covers the header (minus the crc field) and the body, so a
 # corrupted or truncated buffer is rejected instead of decoded into garbage.
-# A decode step of 256 sequences costs 56 + 256*4 (ids) + 256*4 (tokens) + 2*4
+# A decode step of 256 sequences costs 60 + 256*4 (ids) + 256*4 (tokens) + 2*4
 # (num_new and token counts, uniform; block counts and both rollbacks are all
-# zero: no bytes) = 2112 bytes. A speculative step adds the draft tokens it
+# zero: no bytes) = 2116 bytes. A speculative step adds the draft tokens it
 # sends and a u8 count array per column that is not uniform (or one u32 when
 # every sequence drafts the same number).
 # ----------------------------------------------------------------------------
 
 _MAGIC = b"RTPS"
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 _NUM_COUNT_ARRAYS = 10
-_HEADER = struct.Struct("<4sBB10s10I")
+_HEADER = struct.Struct("<4sBB10s11I")
+_FLAG_ARGMAX = 1
 _CRC_OFFSET = _HEADER.size - 4  # the crc32 is the last header field
 _INT32 = np.dtype("<i4")
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
@@ -348,6 +353,7 @@ def encode(plan: StepPlan) -> bytes:
         len(plan.freed_seq_ids),
         n_plp,
         *totals,
+        _FLAG_ARGMAX if plan.sample_argmax else 0,
         len(body),
         0,
     )
@@ -394,7 +400,8 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
     mv = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else memoryview(buf)
     if len(mv) < _HEADER.size:
         raise StepFormatError(f"StepPlan buffer too short: {len(mv)} bytes, the header alone is {_HEADER.size}")
-    magic, version, kind, codes, n_new, n_cached, n_freed, n_plp, *totals, body_len, crc = _HEADER.unpack_from(mv)
+    magic, version, kind, codes, n_new, n_cached, n_freed, n_plp, *totals, flags, body_len, crc = (
+        _HEADER.unpack_from(mv))
     if magic != _MAGIC:
         raise StepFormatError(f"not a StepPlan buffer: magic {magic!r}, expected {_MAGIC!r}")
     if version != WIRE_VERSION:
@@ -443,4 +450,4 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
     cached_seqs = CachedSeqs.from_columns(cached_ids, c[4], c[5], cached_tokens, c[6], cached_blocks, c[7], c[8],
                                           c[9])
     return StepPlan(kind=step_kind, new_seqs=new_seqs, cached_seqs=cached_seqs, freed_seq_ids=freed,
-                    prompt_logprob_seq_ids=plp)
+                    prompt_logprob_seq_ids=plp, sample_argmax=bool(flags & _FLAG_ARGMAX))

@@ -358,6 +358,24 @@ class _Steps:
         pad = f", {size - batch} padding rows" if size > batch else ""
         return f"graph {size} replayed{pad}; {note}"
 
+    def argmax(self, batch: int = 5) -> str:
+        """A plain-greedy decode step: rank 0 gets the tokens the ranks picked from their vocabulary shards."""
+        plan = self.plans.decode_plan(list(range(batch)))
+        plan.sample_argmax = True
+        out = self.runner.execute(plan)
+        tokens = out.sample_tokens
+        if out.sample_logits is not None:
+            raise AssertionError("logits for a sample_argmax step: the ranks were to pick the tokens")
+        if self.ps.rank != 0:
+            if tokens is not None:
+                raise AssertionError(f"rank {self.ps.rank} returned tokens; only rank 0 gets them")
+            return "no tokens (rank > 0)"
+        if tokens is None or tuple(tokens.shape) != (batch,) or tokens.dtype != torch.int64 or \
+                tokens.device != self.ps.device:
+            got = "None" if tokens is None else f"{tokens.dtype}{list(tokens.shape)} on {tokens.device}"
+            raise AssertionError(f"tokens {got}; expected int64 [{batch}] on {self.ps.device}")
+        return f"tokens int64 [{batch}], no logits gathered"
+
     def sample(self) -> str:
         if self.logits is None:
             raise AssertionError("no logits to sample from")
@@ -365,7 +383,7 @@ class _Steps:
 
 
 STAGES = ("start-up (load, profile, KV sizing)", "CUDA-graph capture", "prefill", "mixed",
-          *(f"decode bs={b}" for b in DECODE_BATCHES), "sampler")
+          *(f"decode bs={b}" for b in DECODE_BATCHES), "greedy tokens from vocabulary shards", "sampler")
 
 
 def run_rank(case: Case, rank: int, model_dir: Path) -> list[StageResult]:
@@ -405,6 +423,7 @@ def run_rank(case: Case, rank: int, model_dir: Path) -> list[StageResult]:
         stages.run("mixed", steps.mixed)
         for batch in DECODE_BATCHES:
             stages.run(f"decode bs={batch}", functools.partial(steps.decode, batch))
+        stages.run("greedy tokens from vocabulary shards", steps.argmax)
         if ps.rank != 0:
             stages.results.append(StageResult("sampler", "SKIP", "rank 0 samples"))
         else:

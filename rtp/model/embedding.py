@@ -62,3 +62,9 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
         local = self.matmul(hidden)  # [N, V_local]
         full = self.ps.gather_to_driver(local, dim=-1)
         return full[:, : self.vocab_size] if full is not None else None
+
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the logits, without the padded rows: [N, n] for token ids ``vocab_start`` to
+        ``vocab_start + n`` (n may be 0 on the last rank of a tiny vocabulary)."""
+        real = max(0, min(self.vocab_local, self.vocab_size - self.vocab_start))
+        return self.matmul(hidden)[:, :real]

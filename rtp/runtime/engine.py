@@ -172,6 +172,8 @@ class Engine:
         plan = result.plan
         if not plan.new_seqs and not plan.cached_seqs and not plan.freed_seq_ids:
             return changed
+        # Every request plain greedy: the ranks take the argmax of their vocabulary shards, no logits gathered.
+        plan.sample_argmax = self.spec is None and not self.outputs.full_sample_ids
         self.transport(plan)
         out = self.runner.execute(plan)
         if self.spec is not None:
@@ -184,7 +186,7 @@ class Engine:
 
     def finish_step(self, result: ScheduleResult, out: StepOutput, changed: list[RequestOutput]) -> None:
         """Sample a computed step, postprocess it and add the requests it changed to ``changed``."""
-        sampled = self._sample(result, out.sample_logits)
+        sampled = self._sample(result, out)
         self._postprocess(result, sampled)
         self.outputs.process(sampled.seqs, sampled.tokens, sampled.logprobs, out.prompt_logits, changed)
 
@@ -221,11 +223,14 @@ class Engine:
                 self._inbox[:0] = deferred
         return finished
 
-    def _sample(self, result: ScheduleResult, logits: torch.Tensor | None) -> _Sampled:
+    def _sample(self, result: ScheduleResult, out: StepOutput) -> _Sampled:
         """A token for every sequence the step samples (and for this step's forks, n > 1)."""
         to_sample = list(itertools.compress(result.seqs, result.needs_sample))  # [S] as the logits rows
         if not to_sample:
             return _Sampled([], [], [], 0)
+        if out.sample_tokens is not None:  # a sample_argmax plan: the ranks chose the tokens
+            return _Sampled(to_sample, out.sample_tokens.tolist(), [None] * len(to_sample), len(to_sample))
+        logits = out.sample_logits
         assert logits is not None, "rank 0 gets logits whenever a sequence needs a sample"
         if not self.outputs.full_sample_ids:  # every request is plain greedy: no per-row objects
             greedy = self.sampler.sample_greedy(logits)

@@ -33,6 +33,7 @@ from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rtp.model.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSpec
 from rtp.runtime.batch import BatchInputs, BatchMirror
 from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
+from rtp.runtime.sampler import argmax_rows
 from rtp.runtime.stage_output import AuxHidden, PromptLogits, RowPlan, StageOutputs, StepOutput
 
 __all__ = ["AuxHidden", "ModelRunner", "PromptLogits", "RowPlan", "StepOutput", "load_model", "logit_rows",
@@ -93,6 +94,31 @@ def row_plan(batch: BatchInputs, prompt_logit_seq_ids: list[int]) -> RowPlan | N
             first = int(ends[b]) - batch.q_lens[b]  # flat index of the chunk's first token
             prompts.append((seq_id, int(batch.positions[first]), int(group_end[b] - counts[b]), int(group_end[b])))
     return RowPlan(_flat_positions(ends, counts), sample_rows, prompts)
+
+
+def vocab_parallel_argmax(local: torch.Tensor, vocab_start: int, ps: ParallelState) -> torch.Tensor | None:
+    """Greedy tokens without gathering the logits: ``local`` [R, n] is this TP rank's slice of them (token ids
+    ``vocab_start`` on). Each rank takes its slice's best (value, token id) per row and the driver rank keeps
+    the best of those, so [R, 2] per rank cross instead of [R, n]; [R] int64 there, None elsewhere.
+
+    The same tokens as the argmax of the gathered logits, ties included: within a slice the first index of
+    the maximum wins, between slices the lower rank (the lower ids); values and ids travel as float64, which
+    holds both exactly.
+    """
+    if local.shape[1]:
+        best = argmax_rows(local)  # [R]
+        value = local.gather(1, best[:, None])[:, 0].double()
+    else:  # a rank holding only padding rows (a vocabulary smaller than the TP size's rounding)
+        best = torch.zeros(local.shape[0], dtype=torch.long, device=local.device)
+        value = torch.full((local.shape[0],), float("-inf"), dtype=torch.float64, device=local.device)
+    if ps.tp_size == 1:
+        return best + vocab_start
+    mine = torch.stack([value, (best + vocab_start).double()], dim=1)  # [R, 2]
+    every = ps.gather_to_driver(mine, dim=-1)  # [R, 2 * tp]: (value, id) of each rank, in rank order
+    if every is None:
+        return None
+    winner = every[:, 0::2].argmax(dim=1, keepdim=True)  # [R, 1] the first rank holding the maximum
+    return every[:, 1::2].gather(1, winner)[:, 0].long()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -302,7 +328,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Run one step. On rank 0 the StepOutput holds the step's float32 logits; elsewhere it is empty.
+        """Run one step. On rank 0 the StepOutput holds the step's float32 logits (the sampled rows' tokens for a
+        plan with ``sample_argmax``); elsewhere it is empty.
 
         With pipeline stages rank 0 runs the first stage's part and then waits for the last stage's
         rows (see :meth:`submit` and :meth:`collect` to keep several steps in flight).
@@ -346,8 +373,12 @@ class ModelRunner:
             if self.ps.tp_rank == 0:  # every TP rank holds the same final hidden states
                 self.outputs.send(hidden[torch.from_numpy(rows.positions).to(hidden.device)])
             return StepOutput()
-        logits = self._logits(hidden, rows.positions)
-        out = StepOutput() if logits is None else rows.output(logits)
+        if plan.sample_argmax and rows.sample_rows is None:
+            tokens = self._argmax(hidden, rows.positions)
+            out = StepOutput(sample_tokens=tokens)
+        else:
+            logits = self._logits(hidden, rows.positions)
+            out = StepOutput() if logits is None else rows.output(logits)
         out.aux_hidden = aux
         return out
 
@@ -361,6 +392,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         assert logits is not None, "rank 0's LM head is not sharded with pipeline stages"
         return rows.output(logits.float())
+
+    def _argmax(self, hidden: torch.Tensor, positions: np.ndarray) -> torch.Tensor | None:
+        """The token of the largest logit of each flat position of ``positions`` on rank 0 ([R] int64; the first
+        one among equals); None elsewhere. Every rank calls this (see :func:`vocab_parallel_argmax`)."""
+        head = self.model.lm_head
+        assert head is not None, "the argmax is taken where the LM head is sharded (no pipeline stages)"
+        idx = torch.from_numpy(positions).to(self.ps.device)
+        return vocab_parallel_argmax(head.shard_logits(hidden[idx]), head.vocab_start, self.ps)
 
     def _logits(self, hidden: torch.Tensor, positions: np.ndarray) -> torch.Tensor | None:
         """float32 logits of the flat ``positions`` ([R] int64) on rank 0: [R, vocab]; None elsewhere.

@@ -64,6 +64,9 @@ class StepOutput:
     sample_logits: torch.Tensor | None = None
     """[S, vocab] float32: one row per sequence sampled this step, in batch order (1 + its draft count
     rows, consecutive, for a sequence verifying drafts); None when none is."""
+    sample_tokens: torch.Tensor | None = None
+    """[S] int64: instead of ``sample_logits`` when the plan asked for the argmax (``StepPlan.sample_argmax``),
+    the token of each sampled row's largest logit; the ranks chose them from their vocabulary shards."""
     prompt_logits: list[PromptLogits] = field(default_factory=list)
     """One entry per sequence of ``plan.prompt_logprob_seq_ids`` in the batch, in batch order."""
     aux_hidden: AuxHidden | None = None

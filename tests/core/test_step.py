@@ -41,6 +41,7 @@ plans = st.builds(
     cached_seqs=st.lists(cached_seqs, max_size=30),
     freed_seq_ids=st.lists(I32, max_size=8),
     prompt_logprob_seq_ids=st.lists(I32, max_size=4),
+    sample_argmax=st.booleans(),
 )
 
 
@@ -148,7 +149,8 @@ def test_structurally_inconsistent_buffer_is_rejected() -> None:
     plan = StepPlan(cached_seqs=[CachedSeq(1, 1, [4], []), CachedSeq(2, 1, [5, 6], [])])
     buf = bytearray(encode(plan))
     fields = list(step_mod._HEADER.unpack_from(buf))
-    # fields: magic, version, kind, codes, n_new, n_cached, n_freed, n_prompt_logprob, 4 totals, body_len, crc
+    # fields: magic, version, kind, codes, n_new, n_cached, n_freed, n_prompt_logprob, 4 totals, flags,
+    # body_len, crc
     fields[10] -= 1  # cached-token total no longer matches the per-seq counts...
     fields[6] += 1  # ...and the freed-id array absorbs the 4 bytes, so the length still adds up
     step_mod._HEADER.pack_into(buf, 0, *fields)
@@ -228,8 +230,8 @@ def test_round_trip_of_several_tokens_and_rollbacks(rows: list[tuple[int, int, l
 
 
 def test_rollback_columns_cost_nothing_when_unused() -> None:
-    # A decode step of 256 sequences: 56 header bytes, an int32 id and token each, and one u32 for each
+    # A decode step of 256 sequences: 60 header bytes, an int32 id and token each, and one u32 for each
     # of the two uniform count arrays; zero block counts and rollbacks take no bytes.
-    assert len(encode(_decode_step())) == 56 + 256 * 8 + 2 * 4
+    assert len(encode(_decode_step())) == 60 + 256 * 8 + 2 * 4
     speculative = StepPlan(cached_seqs=[CachedSeq(i, 4, [1, 2, 3, 4], [], rollback_tokens=i % 3) for i in range(256)])
-    assert len(encode(speculative)) == 56 + 256 * 4 * 5 + 2 * 4 + 256  # u8 rollback counts
+    assert len(encode(speculative)) == 60 + 256 * 4 * 5 + 2 * 4 + 256  # u8 rollback counts

@@ -32,8 +32,10 @@ class ScriptedRunner:
         self.spec = SimpleNamespace(vocab_size=VOCAB)
         self.mirror = BatchMirror(block_size)
         self.prompt_len: dict[int, int] = {}
+        self.argmax_plans: list[bool] = []  # each step's plan.sample_argmax
 
     def execute(self, plan):
+        self.argmax_plans.append(plan.sample_argmax)
         for new in plan.new_seqs:
             self.prompt_len.setdefault(new.seq_id, len(new.token_ids))
         batch = self.mirror.apply(plan)
@@ -47,7 +49,10 @@ class ScriptedRunner:
             logits = torch.zeros(VOCAB)
             logits[tokens[min(generated, len(tokens) - 1)]] = 10.0
             rows.append(logits)
-        return StepOutput(sample_logits=torch.stack(rows) if rows else None)
+        logits = torch.stack(rows) if rows else None
+        if plan.sample_argmax and logits is not None:  # as the TP ranks answer such a plan: tokens only
+            return StepOutput(sample_tokens=logits.argmax(dim=1))
+        return StepOutput(sample_logits=logits)
 
 
 @pytest.fixture(scope="module")
@@ -162,19 +167,22 @@ def test_bad_prompts_are_refused_at_submission(model_dir, prompt, words):
 
 
 def test_sampling_takes_the_full_path_only_while_a_request_needs_it(model_dir):
-    """Plain greedy batches skip SampleRow (sample_greedy); a request with logprobs or min_tokens
-    sends the whole batch through sample() while it lives, and the tokens are the same either way."""
+    """Plain greedy batches ask the runner for the argmax (the TP ranks pick the tokens, no logits reach the
+    sampler); a request with logprobs or min_tokens sends the whole batch through sample() while it lives,
+    and the tokens are the same either way."""
     engine = make_engine(model_dir, {7: [20, 21, 22, 23], 8: [30, 31, 32, 33], 9: [40, 41, 42, 43]})
     calls: list[str] = []
     sample, sample_greedy = engine.sampler.sample, engine.sampler.sample_greedy
     engine.sampler.sample = lambda logits, rows: calls.append("full") or sample(logits, rows)
     engine.sampler.sample_greedy = lambda logits: calls.append("greedy") or sample_greedy(logits)
+    argmax_plans = engine.runner.argmax_plans
 
     a = engine.add_request([7], SamplingParams(temperature=0, max_tokens=4))
     done = run(engine)
-    assert done[a].token_ids == [20, 21, 22, 23] and set(calls) == {"greedy"}
+    assert done[a].token_ids == [20, 21, 22, 23] and not calls and argmax_plans and all(argmax_plans)
 
     calls.clear()
+    argmax_plans.clear()
     b = engine.add_request([7], SamplingParams(temperature=0, max_tokens=4))
     c = engine.add_request([8], SamplingParams(temperature=0, max_tokens=2, logprobs=1))
     d = engine.add_request([9], SamplingParams(temperature=0, max_tokens=4, min_tokens=1))
@@ -182,8 +190,9 @@ def test_sampling_takes_the_full_path_only_while_a_request_needs_it(model_dir):
     assert done[b].token_ids == [20, 21, 22, 23] and done[c].token_ids == [30, 31]
     assert done[d].token_ids == [40, 41, 42, 43]
     assert len(done[c].logprobs) == 2 and done[b].logprobs is None
-    assert set(calls) == {"full"}  # d lives as long as b: every step needed the rows
+    assert set(calls) == {"full"} and not any(argmax_plans)  # d lives as long as b: every step needed the rows
 
     calls.clear()
+    argmax_plans.clear()
     e = engine.add_request([8], SamplingParams(temperature=0, max_tokens=3))
-    assert run(engine)[e].token_ids == [30, 31, 32] and set(calls) == {"greedy"}  # finished ones left no trace
+    assert run(engine)[e].token_ids == [30, 31, 32] and not calls and all(argmax_plans)  # finished: no trace

@@ -69,13 +69,18 @@ def run_model(
             last = torch.cat([second, logits])  # row order: prompt 0, then prompts 1..n
             for i in range(len(prompts)):
                 tokens[i].append(int(last[i].argmax()))
-    for _ in range(steps - have):
+    for step in range(steps - have):
         next_ids = ps.broadcast_object([t[-1] for t in tokens] if ps.rank == 0 else None)
-        plan = StepPlan(cached_seqs=[CachedSeq(i, 1, [next_ids[i]], []) for i in range(len(prompts))])
-        out = runner.execute(plan).sample_logits
+        # Every other step asks for the argmax instead of the logits: the ranks pick the tokens from their
+        # vocabulary shards (the tokens are compared with HF's greedy ones like the rest).
+        argmax = step % 2 == 1
+        plan = StepPlan(cached_seqs=[CachedSeq(i, 1, [next_ids[i]], []) for i in range(len(prompts))],
+                        sample_argmax=argmax)
+        out = runner.execute(plan)
         if ps.rank == 0:
+            assert (out.sample_logits is None) == argmax and (out.sample_tokens is None) != argmax
             for i in range(len(prompts)):
-                tokens[i].append(int(out[i].argmax()))
+                tokens[i].append(int(out.sample_tokens[i]) if argmax else int(out.sample_logits[i].argmax()))
     result = {"tokens": tokens, "bytes_read": runner.load_report.bytes_read}
     if ps.rank == 0:
         result["logits"] = last

@@ -14,6 +14,7 @@ from rtp.distributed import shm_allreduce
 from rtp.distributed.heartbeat import Heartbeat
 from rtp.distributed.parallel import ParallelState
 from rtp.errors import RtpError, WorkerDiedError
+from rtp.runtime.model_runner import vocab_parallel_argmax
 
 HUNG_TIMEOUT_S = 2.0  # liveness timeout of the "hung" mode
 
@@ -103,8 +104,34 @@ def main() -> None:
     ps.node_reduce = ar
     y = torch.full((3, 4), float(ps.rank))
     assert ps.all_reduce(y) is y and torch.equal(y, torch.full((3, 4), float(sum(range(ps.world_size)))))
+    check_vocab_parallel_argmax(ps, ar)
     print(f"rank {ps.rank}: OK", flush=True)
     ps.destroy()
+
+
+def check_vocab_parallel_argmax(ps: ParallelState, ar: shm_allreduce.ShmAllReduce) -> None:
+    """Greedy tokens from vocabulary shards equal the argmax of the whole logits, ties included (the first
+    index of the maximum), through gloo and through the shared segment."""
+    g = torch.Generator().manual_seed(99)
+    vocab = 1000 * ps.world_size - 7  # the last rank holds 7 padding rows, which are no tokens
+    per_rank = -(-vocab // ps.world_size)
+    start = ps.rank * per_rank
+    for dtype in (torch.float32, torch.bfloat16):
+        full = torch.randint(-3, 3, (40, vocab), generator=g).to(dtype)  # small integers: ties in every row
+        full[0] = -5.0
+        full[0, per_rank - 1] = full[0, per_rank] = 7.0  # equal maxima on either side of ranks 0 and 1's border
+        full[1] = -5.0
+        full[1, vocab - 1] = 7.0  # the last token id
+        full[2, 3 * vocab // 4] = float("inf")
+        local = full[:, start : start + per_rank]
+        for node_reduce in (None, ar):
+            ps.node_reduce = node_reduce
+            got = vocab_parallel_argmax(local, start, ps)
+            if ps.rank == 0:
+                assert torch.equal(got, full.argmax(dim=1)), (dtype, node_reduce)
+                assert got[0] == per_rank - 1 and got[1] == vocab - 1
+            else:
+                assert got is None
 
 
 if __name__ == "__main__":
