@@ -55,6 +55,12 @@ def plan_num_blocks(
             "raise gpu_memory_utilization / cpu_kv_cache_gib, or use more ranks"
         )
     logger.info("KV cache: %d blocks of %.1f KiB per rank (local estimate %d)", num_blocks, per_block / 1024, local)
+    if ps.device.type == "cpu":
+        node_bytes, available = num_blocks * per_block * len(ps.local_ranks), available_memory()
+        if available is not None and node_bytes > available:
+            logger.warning("the KV caches of this node's %d rank(s) take %.1f GiB and %.1f GiB of memory is "
+                           "available: sequences that fill them will run the machine out of memory; lower "
+                           "cpu_kv_cache_gib", len(ps.local_ranks), node_bytes / 2**30, available / 2**30)
     return num_blocks
 
 
@@ -70,17 +76,31 @@ def allocate_kv_cache(
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor, resident from the start.
+    """A zero tensor whose memory is faulted in where it is first written.
 
-    On a Linux CPU it is a fresh anonymous mapping that the kernel fills with zero pages when it is
-    made (``MAP_POPULATE``): the same resident memory as ``torch.zeros`` without a second pass that
-    writes every byte. Two ranks each allocating 2 GiB at once took 0.62-0.71 s this way against
-    0.9-1.7 s with ``torch.zeros`` on a 2-core host (the ranks' page faults contend in the kernel).
-    The tensor keeps the mapping alive; it is unmapped when the tensor is freed.
+    On a CPU it is a fresh anonymous mapping: the kernel gives each page on first touch, zeroed, so start-up
+    writes nothing and a run touches only the blocks it uses (a first touch costs ~0.1 s per 256 MiB here).
+    Pre-faulting it (``MAP_POPULATE``, or ``torch.zeros`` writing every byte) took 2.3-7 s per rank for two
+    TP = 2 ranks of 2 GiB each on the 2-core VM, and left the host busy behind the guest's back: bench.py's
+    whole TP = 2 process went from 16-17.5 s to 8.9-9.4 s without it (40M model), a TP = 1 one at Qwen3-0.6B
+    dimensions from 30-37 s to 20-21 s, and the timed runs were no slower. The memory is not reserved up
+    front: :func:`plan_num_blocks` warns when the node's caches exceed the memory available. The tensor keeps
+    the mapping alive; it is unmapped when the tensor is freed.
     """
-    populate = getattr(mmap, "MAP_POPULATE", 0)
     nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or not populate or nbytes == 0:
+    if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel could give without swapping (``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

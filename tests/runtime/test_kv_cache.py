@@ -1,11 +1,13 @@
-"""The KV cache's zero-filled allocation (:func:`rtp.runtime.kv_cache.zeroed`)."""
+"""The KV cache's zero-filled allocation (:func:`rtp.runtime.kv_cache.zeroed`) and its memory check."""
 
 import gc
 
 import pytest
 import torch
 
-from rtp.runtime.kv_cache import zeroed
+from rtp.distributed.parallel import ParallelState
+from rtp.runtime import kv_cache
+from rtp.runtime.kv_cache import available_memory, plan_num_blocks, zeroed
 
 CPU = torch.device("cpu")
 
@@ -38,3 +40,20 @@ def test_zeroed_falls_back_to_torch_zeros_off_the_cpu_and_for_empty_shapes():
     assert t.device.type == "meta" and t.shape == (3, 4)
     e = zeroed((0, 16, 2, 8), torch.bfloat16, CPU)
     assert e.shape == (0, 16, 2, 8) and e.dtype == torch.bfloat16
+
+
+def test_a_cache_larger_than_the_memory_available_is_reported(monkeypatch, caplog):
+    ps = ParallelState.single("cpu")
+    kw = dict(fixed=None, cpu_cache_gib=1.0, gpu_memory_utilization=0.9)
+    monkeypatch.setattr(kv_cache, "available_memory", lambda: 2**31)
+    with caplog.at_level("WARNING", logger=kv_cache.logger.name):
+        assert plan_num_blocks(ps, 2**20, **kw) == 1024  # 1 GiB of 1 MiB blocks, within 2 GiB
+        assert "available" not in caplog.text
+        monkeypatch.setattr(kv_cache, "available_memory", lambda: 2**29)
+        assert plan_num_blocks(ps, 2**20, **kw) == 1024  # still the budget asked for, with a warning
+    assert "1.0 GiB and 0.5 GiB of memory is available" in caplog.text
+
+
+def test_available_memory_reads_the_kernels_figure():
+    got = available_memory()
+    assert got is None or 0 < got <= 2**50
