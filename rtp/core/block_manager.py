@@ -49,8 +49,9 @@ class BlockManager:
         self._ref: list[int] = [0] * num_blocks  # number of block tables holding the block
         self._hash: list[int | None] = [None] * num_blocks  # registered hash, or None
         self._hash_to_block: dict[int, int] = {}
-        # Free blocks without a hash (reused first) and free blocks with one (LRU order,
-        # least recently freed first; evicted only when the hash-less pool is empty).
+        # Free blocks without a hash (reused first, the most recently freed first: a KV page is faulted in
+        # where it is first written, and a reused one is resident and warm) and free blocks with one (LRU
+        # order, least recently freed first; evicted only when the hash-less pool is empty).
         self._free_plain: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
 
@@ -255,4 +256,4 @@ class BlockManager:
             if self._hash[block_id] is not None:
                 self._free_cached[block_id] = None  # most recently freed: evicted last
             else:
-                self._free_plain.append(block_id)
+                self._free_plain.appendleft(block_id)  # reused first: its pages are resident and warm

@@ -79,13 +79,14 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero tensor whose memory is faulted in where it is first written.
 
     On a CPU it is a fresh anonymous mapping: the kernel gives each page on first touch, zeroed, so start-up
-    writes nothing and a run touches only the blocks it uses (a first touch costs ~0.1 s per 256 MiB here).
-    Pre-faulting it (``MAP_POPULATE``, or ``torch.zeros`` writing every byte) took 2.3-7 s per rank for two
-    TP = 2 ranks of 2 GiB each on the 2-core VM, and left the host busy behind the guest's back: bench.py's
-    whole TP = 2 process went from 16-17.5 s to 8.9-9.4 s without it (40M model), a TP = 1 one at Qwen3-0.6B
-    dimensions from 30-37 s to 20-21 s, and the timed runs were no slower. The memory is not reserved up
-    front: :func:`plan_num_blocks` warns when the node's caches exceed the memory available. The tensor keeps
-    the mapping alive; it is unmapped when the tensor is freed.
+    writes nothing and a run pays for the blocks it uses, once, where it first writes them. Pre-faulting it
+    (``MAP_POPULATE``, or ``torch.zeros`` writing every byte) took 2.3-7 s per rank for two TP = 2 ranks of
+    2 GiB each on the 2-core VM: bench.py's whole TP = 2 process went from 16-17.5 s to 8.9-9.4 s without it
+    (40M model, timed batches no slower), a TP = 1 one at Qwen3-0.6B dimensions from 30-32 s to 19-22 s,
+    where the first timed batch, the first to write its ~300 MB of blocks, became 5-10% slower (6.3-6.5 s
+    -> 6.8-7.0 s). The memory is not reserved up front: :func:`plan_num_blocks` warns when the node's
+    caches exceed the memory available. The tensor keeps the mapping alive; it is unmapped when the tensor
+    is freed.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
