@@ -369,15 +369,15 @@ class ModelRunner:
             # a prefill chunk that does not reach its prompt's end (the plan is the same on
             # every rank, so all skip the gather together)
             return StepOutput(aux_hidden=aux)
+        picked = hidden[torch.from_numpy(rows.positions).to(hidden.device)]  # [R, hidden]: the LM head's rows
         if self.outputs is not None:
             if self.ps.tp_rank == 0:  # every TP rank holds the same final hidden states
-                self.outputs.send(hidden[torch.from_numpy(rows.positions).to(hidden.device)])
+                self.outputs.send(picked)
             return StepOutput()
         if plan.sample_argmax and rows.sample_rows is None:
-            tokens = self._argmax(hidden, rows.positions)
-            out = StepOutput(sample_tokens=tokens)
+            out = StepOutput(sample_tokens=self._argmax(picked))
         else:
-            logits = self._logits(hidden, rows.positions)
+            logits = self._logits(picked)
             out = StepOutput() if logits is None else rows.output(logits)
         out.aux_hidden = aux
         return out
@@ -393,21 +393,17 @@ class ModelRunner:
         assert logits is not None, "rank 0's LM head is not sharded with pipeline stages"
         return rows.output(logits.float())
 
-    def _argmax(self, hidden: torch.Tensor, positions: np.ndarray) -> torch.Tensor | None:
-        """The token of the largest logit of each flat position of ``positions`` on rank 0 ([R] int64; the first
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The token of the largest logit of each row of ``hidden`` [R, hidden] on rank 0 ([R] int64; the first
         one among equals); None elsewhere. Every rank calls this (see :func:`vocab_parallel_argmax`)."""
         head = self.model.lm_head
         assert head is not None, "the argmax is taken where the LM head is sharded (no pipeline stages)"
-        idx = torch.from_numpy(positions).to(self.ps.device)
-        return vocab_parallel_argmax(head.shard_logits(hidden[idx]), head.vocab_start, self.ps)
+        return vocab_parallel_argmax(head.shard_logits(hidden), head.vocab_start, self.ps)
 
-    def _logits(self, hidden: torch.Tensor, positions: np.ndarray) -> torch.Tensor | None:
-        """float32 logits of the flat ``positions`` ([R] int64) on rank 0: [R, vocab]; None elsewhere.
-
-        Only these rows go through the LM head (every rank calls this: the logits are gathered).
-        """
-        idx = torch.from_numpy(positions).to(self.ps.device)
-        logits = self.model.compute_logits(hidden[idx])
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of the rows of ``hidden`` [R, hidden] on rank 0: [R, vocab]; None elsewhere (every
+        rank calls this: the logits are gathered)."""
+        logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()
 
 
