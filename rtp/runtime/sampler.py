@@ -34,7 +34,8 @@ vocabulary: drawing one Exp(1) or Gumbel number per vocabulary entry instead
 cost twice a whole decode step at Qwen3's 151,936 tokens on a CPU. A seeded
 request's uniform is a hash of (seed, tokens generated so far), so its tokens
 do not depend on what else is in the batch, on its row index or on earlier
-calls. Unseeded rows draw theirs from the sampler's own generator. The global
+calls. A row with a small top_k is filtered and drawn on the few blocks that can
+hold its top-k tokens (:func:`top_k_candidates`), not on the whole vocabulary. Unseeded rows draw theirs from the sampler's own generator. The global
 torch RNG is never touched.
 """
 
@@ -419,15 +420,7 @@ class Sampler:
         pick = [i for i, g in enumerate(greedy) if not g]
         index = None if len(pick) == len(rows) else torch.tensor(pick, device=x.device)
         sub = x if index is None else x.index_select(0, index)  # [num_sampled, vocab]
-        params = [rows[i].params for i in pick]
-        filtered = filter_logits(
-            sub,
-            temperatures=[p.temperature for p in params],
-            top_ks=[p.top_k for p in params],
-            top_ps=[p.top_p for p in params],
-            min_ps=[p.min_p for p in params],
-        )
-        drawn = inverse_cdf_sample(torch.softmax(filtered, dim=-1), self._uniforms([rows[i] for i in pick], x.device))
+        drawn = draw(sub, [rows[i].params for i in pick], self._uniforms([rows[i] for i in pick], x.device))
         if index is None:
             return drawn
         tokens = argmax_rows(x)
@@ -508,6 +501,68 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if bool(positive.all()):  # the argmax pass only where rounding needs it (the tokens sync anyway)
         return tokens
     return torch.where(positive, tokens, argmax_rows(probs))
+
+
+CANDIDATE_SHARE = 4
+"""A row takes the top-k candidate path when its candidate blocks (top_k of them) hold at most
+1 / CANDIDATE_SHARE of the vocabulary."""
+
+
+def draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """One token per row of the processed logits ``x [rows, vocab]``: temperature, top-k, top-p and
+    min-p of ``params``, then the inverse-CDF draw with the uniforms ``u [rows]``.
+
+    Rows with a small top_k never touch the whole vocabulary after one pass of block maxima: the
+    filters and the draw run on the blocks that can hold the row's top-k tokens
+    (:func:`top_k_candidates`), in vocabulary order, so a row's token does not depend on the other
+    rows. At Qwen3's vocabulary with 32 rows, top_k = 50 and top_p = 0.9 cost 40 ms a step over the
+    whole vocabulary (two full-width masks, topk over every token, a 1024-token head for top-p).
+    """
+    vocab = x.shape[1]
+    narrow = [0 < p.top_k and p.top_k * BLOCK * CANDIDATE_SHARE <= vocab for p in params]
+    if all(narrow):
+        values, ids = top_k_candidates(x, [p.top_k for p in params])
+        return ids.gather(1, _draw_filtered(values, params, u)[:, None])[:, 0]
+    if not any(narrow):
+        return _draw_filtered(x, params, u)
+    tokens = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    for flag in (True, False):
+        rows = [i for i, n in enumerate(narrow) if n == flag]
+        index = torch.tensor(rows, device=x.device)
+        tokens[index] = draw(x.index_select(0, index), [params[i] for i in rows], u[index])
+    return tokens
+
+
+def _draw_filtered(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Column of ``x`` drawn for each row: :func:`filter_logits`, softmax, :func:`inverse_cdf_sample`."""
+    filtered = filter_logits(x, temperatures=[p.temperature for p in params], top_ks=[p.top_k for p in params],
+                             top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params])
+    return inverse_cdf_sample(torch.softmax(filtered, dim=-1), u)
+
+
+def top_k_candidates(x: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks of :data:`BLOCK` tokens of each row of ``x [rows, vocab]`` that may hold one of its
+    ``ks[r]`` largest values: ``(values, token ids)``, each ``[rows, W]``, in vocabulary order, padded
+    with -inf (ids of padding point at real tokens, never drawn).
+
+    Every token tied with or above the k-th largest value is among them: the k largest block
+    maxima are k distinct tokens, so the k-th largest value is at least the k-th largest block
+    maximum, and a block holding a token above that has a maximum above it too.
+    """
+    xb = _blocks(x, float("-inf"))  # [R, nb, BLOCK]
+    block_max = xb.amax(dim=-1)  # [R, nb]
+    nb, device = block_max.shape[1], x.device
+    k = torch.tensor(ks, device=device)[:, None]
+    kth = torch.topk(block_max, max(ks), dim=-1).values.gather(1, k - 1)  # [R, 1]: the k-th largest block max
+    chosen = block_max >= kth  # [R, nb]
+    count = chosen.sum(dim=-1, keepdim=True)  # [R, 1]
+    width = int(count.max())
+    ar = torch.arange(nb, device=device)
+    blocks = torch.where(chosen, ar, ar + nb).sort(dim=-1).values[:, :width] % nb  # chosen first, by index
+    values = xb.gather(1, blocks[:, :, None].expand(-1, -1, BLOCK))  # [R, width, BLOCK]
+    values = values.masked_fill((ar[:width] >= count)[:, :, None], float("-inf"))
+    ids = (blocks[:, :, None] * BLOCK + torch.arange(BLOCK, device=device)).clamp_max(x.shape[1] - 1)
+    return values.flatten(1), ids.flatten(1)
 
 
 def _pairs(x: torch.Tensor, row_idx: list[int], col_idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

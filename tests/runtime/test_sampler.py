@@ -12,10 +12,12 @@ from rtp.runtime.sampler import (
     Sampler,
     SampleRow,
     argmax_rows,
+    draw,
     filter_logits,
     inverse_cdf_sample,
     is_plain_greedy,
     step_seed,
+    top_k_candidates,
 )
 from rtp.sampling import SamplingParams
 
@@ -374,11 +376,29 @@ def test_inverse_cdf_sample_walks_the_cdf_exactly() -> None:
 ])
 def test_chi_square_over_several_blocks(params: SamplingParams) -> None:
     """Frequencies of 30000 draws over a 1000-token vocabulary follow the filtered target distribution."""
+    assert_draws_follow_target(params, vocab=1000)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.6, top_k=20),
+    SamplingParams(temperature=1.0, top_k=30, top_p=0.9),
+    SamplingParams(temperature=0.8, top_k=25, top_p=0.95, min_p=0.02),
+])
+def test_chi_square_top_k_candidates(params: SamplingParams, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same over a 4096-token vocabulary, where rows with these top_k take the candidate blocks."""
+    monkeypatch.setattr(sampler_module, "CANDIDATE_SHARE", 1)  # candidates may be the whole vocabulary
+    assert params.top_k * sampler_module.BLOCK <= 4096
+    assert_draws_follow_target(params, vocab=4096)
+
+
+def assert_draws_follow_target(params: SamplingParams, vocab: int) -> None:
     gen = torch.Generator().manual_seed(18)
-    vocab, num = 1000, 30000
+    num = 30000
     base = torch.randn(vocab, generator=gen) * 2.5
-    logits = base.expand(num, vocab).contiguous()
-    tokens = torch.tensor(Sampler([], seed=19).sample(logits, [SampleRow(params, 0)] * num).token_ids)
+    sampler, chunk = Sampler([], seed=19), 5000
+    logits = base.expand(chunk, vocab).contiguous()
+    tokens = torch.tensor([t for _ in range(num // chunk)
+                           for t in sampler.sample(logits, [SampleRow(params, 0)] * chunk).token_ids])
     keep = ref_keep(base, params.temperature, params.top_k, params.top_p, params.min_p)
     target = torch.softmax((base.double() / params.temperature).masked_fill(~keep, -math.inf), 0)
     counts = torch.bincount(tokens, minlength=vocab).double()
@@ -405,3 +425,40 @@ def test_chi_square_over_several_blocks(params: SamplingParams) -> None:
     # Wilson-Hilferty: the chi-square quantile at p = 1e-4 (z = 3.72) for dof degrees of freedom.
     bound = dof * (1 - 2 / (9 * dof) + 3.72 * math.sqrt(2 / (9 * dof))) ** 3 if dof > 0 else 1.0
     assert chi2 < bound, (chi2, bound, dof)
+
+
+def test_top_k_candidates_hold_every_top_k_token_in_vocabulary_order() -> None:
+    gen = torch.Generator().manual_seed(20)
+    rows, vocab = 60, 3000  # not a multiple of the block: the last block is padded
+    logits = torch.randint(-6, 7, (rows, vocab), generator=gen).float()  # many ties, also at the k-th value
+    logits[5] = float("-inf")
+    logits[5, [7, 2900]] = 1.0  # fewer finite tokens than k
+    ks = [1 + (7 * i) % 12 for i in range(rows)]
+    values, ids = top_k_candidates(logits, ks)
+    for r, k in enumerate(ks):
+        kth = torch.sort(logits[r], descending=True).values[k - 1]
+        real = torch.isfinite(values[r])
+        # every token tied with or above the k-th largest value is there, with its own logit
+        wanted = set((logits[r] >= kth).nonzero()[:, 0].tolist()) if torch.isfinite(kth) else set()
+        assert wanted <= set(ids[r][real].tolist()), r
+        assert torch.equal(values[r][real], logits[r, ids[r][real]])
+        picked = ids[r][real]
+        assert bool((picked[1:] > picked[:-1]).all())  # vocabulary order, each token once
+        assert bool((ids[r] < vocab).all())
+
+
+def test_candidate_draw_equals_the_whole_vocabulary_draw() -> None:
+    """The same token as filtering and walking the whole row, whatever the other rows ask."""
+    gen = torch.Generator().manual_seed(21)
+    rows, vocab = 200, 6000
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[::7] = torch.randint(-3, 4, (len(range(0, rows, 7)), vocab), generator=gen).float()  # ties
+    params = [SamplingParams(temperature=0.5 + i % 5 * 0.3, top_k=[1, 3, 11, 9, -1, 0][i % 6],
+                             top_p=[1.0, 0.9, 0.5][i % 3], min_p=[0.0, 0.1][i % 2]) for i in range(rows)]
+    u = torch.rand(rows, dtype=torch.float64, generator=gen)
+    whole = sampler_module._draw_filtered(logits, params, u)
+    mixed = draw(logits, params, u)
+    # float32 rounding of a softmax over fewer columns may move a CDF boundary by ~1e-7 of the mass
+    assert int((mixed != whole).sum()) <= 1
+    alone = torch.cat([draw(logits[i : i + 1], params[i : i + 1], u[i : i + 1]) for i in range(rows)])
+    assert torch.equal(alone, mixed)  # a row's token does not depend on the batch
