@@ -267,7 +267,8 @@ def roofline_floor(model_dir: str, reqs: list[tuple[list[int], int]], bytes_per_
     Prefill: every prompt token's matmul FLOPs at the measured GEMM rate. Decode step s (batch =
     requests still generating): the larger of the matmul weights' bytes / read bandwidth and the
     step's matmul FLOPs / GEMM rate. Matmul parameters: every layer's projections plus the LM head
-    (a tied embedding counts once); attention and the KV cache are left out (a lower bound).
+    (a tied embedding counts once; a prompt runs it for its last token only); attention and the KV
+    cache are left out (a lower bound).
     """
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     h, layers, d = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("head_dim") or cfg["hidden_size"] // cfg[
@@ -278,10 +279,12 @@ def roofline_floor(model_dir: str, reqs: list[tuple[list[int], int]], bytes_per_
         mlp_bytes_params = 3 * h * cfg["moe_intermediate_size"] * cfg["num_experts"]
     else:
         mlp = mlp_bytes_params = 3 * h * cfg["intermediate_size"]
-    flops_per_token = 2 * (layers * (attn + mlp) + h * cfg["vocab_size"])
+    body_flops, head_flops = 2 * layers * (attn + mlp), 2 * h * cfg["vocab_size"]
+    flops_per_token = body_flops + head_flops
     step_bytes = (layers * (attn + mlp_bytes_params) + h * cfg["vocab_size"]) * bytes_per_param
     prompt_tokens = sum(len(p) for p, _ in reqs)
-    seconds = prompt_tokens * flops_per_token / (gflops * 1e9)
+    # A prompt needs the LM head for its last token only (the one that samples).
+    seconds = (prompt_tokens * body_flops + len(reqs) * head_flops) / (gflops * 1e9)
     for step in range(1, max(n for _, n in reqs)):
         batch = sum(n > step for _, n in reqs)
         seconds += max(step_bytes / (gbs * 1e9), batch * flops_per_token / (gflops * 1e9))
