@@ -35,7 +35,7 @@ from torch import nn
 from rtp.distributed.parallel import ParallelState
 from rtp.errors import CheckpointError, ModelShapeError
 from rtp.kernels import cpu_gemm
-from rtp.kernels.cpu_features import native_bf16
+from rtp.kernels.cpu_features import cpu_flags, native_bf16
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
@@ -104,14 +104,18 @@ CpuLinearMethod = Literal["gemm", "onednn"]
 def cpu_linear_method(device: torch.device, dtype: torch.dtype) -> CpuLinearMethod | None:
     """The packed matmul for ``dtype`` on this CPU, or None (``F.linear``).
 
-    oneDNN where it is known fast: fp32 on AVX-512 CPUs, bf16 where the CPU has native bf16
-    (AVX-512 BF16 / AMX; oneDNN also runs bf16 on plain AVX-512, emulated: a Qwen3-0.6B decode step
-    there took 2x the fp32 one). Elsewhere rtp's panel GEMM where it builds (on AVX2 CPUs it streams
-    decode weights at about twice oneDNN's rate; bf16 weights widened in registers read half the
-    bytes), else oneDNN if it runs at all.
+    bf16 with AVX-512 BF16: rtp's panel GEMM multiplying bf16 pairs (``vdpbf16ps``): on a Zen 4, 12
+    layers of Qwen3-0.6B's linears ran 1.1-1.5x oneDNN's rate at 1-8 rows, level at 16-64 and 0.92-0.95x
+    at 256-2048. oneDNN where it is known fast: fp32 on AVX-512 CPUs (the panel GEMM: 1.56x at one
+    row, level at 8-32, 0.94-0.98x at 256-1024), bf16 on AMX. oneDNN also runs bf16 on plain AVX-512,
+    emulated: a Qwen3-0.6B decode step there took 2x the fp32 one. Elsewhere rtp's panel GEMM where
+    it builds (on AVX2 CPUs it streams decode weights at about twice oneDNN's rate; bf16 weights
+    widened in registers read half the bytes), else oneDNN if it runs at all.
     """
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
+    if dtype == torch.bfloat16 and cpu_gemm.bf16_dot() and "amx_bf16" not in cpu_flags():
+        return "gemm"
     wide = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
     fast = native_bf16() if dtype == torch.bfloat16 else wide
     if onednn_packing_supported(device, dtype) and fast:

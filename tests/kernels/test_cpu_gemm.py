@@ -14,17 +14,25 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C++ compile
 # Up to 48 rows the tiles prefetch the weights; 500 rows: row blocks of 240 + 240 + 20.
 @pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (6, 64, 256), (7, 33, 300), (13, 100, 513), (40, 48, 1024),
                                              (49, 130, 2048), (97, 64, 257), (500, 40, 70)])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_gemm_matches_float64_linear(rows: int, out_f: int, in_f: int, weight_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "bf16 pairs"])
+def test_gemm_matches_float64_linear(rows: int, out_f: int, in_f: int, weights: str) -> None:
+    pairs = weights == "bf16 pairs"
+    if pairs and not cpu_gemm.bf16_dot():
+        pytest.skip("no AVX-512 BF16: no pair panels")
     gen = torch.Generator().manual_seed(rows * 1000 + out_f)
     x = torch.randn(rows, in_f, generator=gen)
+    weight_dtype = torch.float32 if weights == "fp32" else torch.bfloat16
     w = torch.randn(out_f, in_f, generator=gen).to(weight_dtype)
     b = torch.randn(out_f, generator=gen)
-    packed = cpu_gemm.pack(w)
+    packed = cpu_gemm.pack(w, pairs=pairs)
     nr = cpu_gemm.panel_width()
-    assert packed.shape == (-(-out_f // nr), in_f, nr) and packed.dtype == weight_dtype
+    panels = -(-out_f // nr)
+    assert packed.shape == ((panels, -(-in_f // 2), nr, 2) if pairs else (panels, in_f, nr))
+    assert packed.dtype == weight_dtype
+    # pair panels multiply bf16 rows: exact products of the rounded rows, summed in fp32
+    xr = x.bfloat16().double() if pairs else x.double()
     for bias in (None, b):
-        ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        ref = F.linear(xr, w.double(), None if bias is None else bias.double())
         got = cpu_gemm.linear(x, packed, out_f, bias)
         assert got.shape == (rows, out_f) and got.dtype == torch.float32
         # fp32 accumulation over in_f terms of size ~1: error ~ sqrt(in_f) * 6e-8 * |terms|
@@ -52,12 +60,17 @@ def test_int8_panels_with_scales_match_float64_dequantized_linear(rows: int, out
         cpu_gemm.linear(x, packed, out_f, None, scale[:-1])
 
 
-def test_output_takes_the_input_dtype() -> None:
-    x = torch.randn(5, 64).bfloat16()
-    w = torch.randn(32, 64).bfloat16()
-    got = cpu_gemm.linear(x, cpu_gemm.pack(w), 32)
+@pytest.mark.parametrize("pairs", [False, True])
+def test_output_takes_the_input_dtype(pairs: bool) -> None:
+    if pairs and not cpu_gemm.bf16_dot():
+        pytest.skip("no AVX-512 BF16: no pair panels")
+    x = torch.randn(5, 200).bfloat16()
+    w = torch.randn(70, 200).bfloat16()
+    got = cpu_gemm.linear(x, cpu_gemm.pack(w, pairs=pairs), 70)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=1e-2)
+    ref = F.linear(x.double(), w.double())
+    # fp32 sums rounded once to bf16: within one bf16 step (2^-8 relative) of the exact value
+    assert bool(((got.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-4).all())
 
 
 def test_bad_inputs_raise() -> None:
@@ -66,3 +79,8 @@ def test_bad_inputs_raise() -> None:
         cpu_gemm.linear(torch.randn(3, 65), packed, 32)
     with pytest.raises(RuntimeError, match="not a packed weight"):
         cpu_gemm.linear(torch.randn(3, 64), torch.randn(32, 64), 32)
+    if cpu_gemm.bf16_dot():
+        pairs = cpu_gemm.pack(torch.randn(32, 63).bfloat16(), pairs=True)  # an odd K: padded with a zero input
+        assert cpu_gemm.linear(torch.randn(3, 63), pairs, 32).shape == (3, 32)
+        with pytest.raises(RuntimeError, match="does not fit"):
+            cpu_gemm.linear(torch.randn(3, 62), pairs, 32)

@@ -67,6 +67,7 @@ def test_cpu_linear_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_linear_method(cpu, torch.float32) == "onednn"  # no compiler: oneDNN still beats F.linear
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(cpu_gemm, "available", lambda: True)
+    monkeypatch.setattr(cpu_gemm, "bf16_dot", lambda: False)
     assert cpu_linear_method(cpu, torch.float32) == "onednn"
     if onednn_packing_supported(cpu, torch.bfloat16):
         # bf16: oneDNN only with native bf16 dot products; emulated, the panel GEMM reads half the bytes
@@ -74,6 +75,15 @@ def test_cpu_linear_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cpu_linear_method(cpu, torch.bfloat16) == "onednn"
         monkeypatch.setattr(linear_module, "native_bf16", lambda: False)
         assert cpu_linear_method(cpu, torch.bfloat16) == "gemm"
+    # AVX-512 BF16 without AMX: the panel GEMM's bf16 pairs; with AMX tiles, oneDNN
+    monkeypatch.setattr(cpu_gemm, "bf16_dot", lambda: True)
+    monkeypatch.setattr(linear_module, "native_bf16", lambda: True)
+    monkeypatch.setattr(linear_module, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert cpu_linear_method(cpu, torch.bfloat16) == "gemm"
+    assert cpu_linear_method(cpu, torch.float32) == "onednn"
+    monkeypatch.setattr(linear_module, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    if onednn_packing_supported(cpu, torch.bfloat16):
+        assert cpu_linear_method(cpu, torch.bfloat16) == "onednn"
 
 
 def test_tied_lm_head_keeps_the_embedding_weight(tmp_path) -> None:  # noqa: ANN001
