@@ -35,8 +35,9 @@ cost twice a whole decode step at Qwen3's 151,936 tokens on a CPU. A seeded
 request's uniform is a hash of (seed, tokens generated so far), so its tokens
 do not depend on what else is in the batch, on its row index or on earlier
 calls. A row with a small top_k is filtered and drawn on the few blocks that can
-hold its top-k tokens (:func:`top_k_candidates`), not on the whole vocabulary. Unseeded rows draw theirs from the sampler's own generator. The global
-torch RNG is never touched.
+hold its top-k tokens (:func:`top_k_candidates`), not on the whole vocabulary.
+Unseeded rows draw theirs from the sampler's own generator. The global torch
+RNG is never touched.
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ CASES = [c for c in CPU_CASES if c.decode] + [
     # many sequences (at least 4 per thread up to 16 threads): one task per sequence over all its KV heads,
     # head_dim 40 (a 16-wide loop, then a tail of 8)
     Case("decode-many-seqs", [1] * 64, [1 + (7 * i) % 90 for i in range(64)], 6, 3, 40, 8),
+    # GQA 2:1 (two query rows share each key and value load on AVX-512) with head_dim 20 (scalar tails),
+    # few and many sequences
+    Case("decode-gqa-d20", [1] * 3, [5, 17, 40], 4, 2, 20, 4),
+    Case("decode-gqa-d20-many", [1] * 40, [1 + (5 * i) % 37 for i in range(40)], 4, 2, 20, 4),
 ]
 
 
