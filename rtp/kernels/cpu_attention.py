@@ -24,8 +24,8 @@ query's loads, finished by one shuffle tree instead of eight horizontal sums) an
 key). With AVX-512 (32 vector registers) the decode kernel scores two query heads of a KV head
 together, so that each key and value is loaded (and widened from bf16) once for both: Qwen3-0.6B's
 16 / 8 heads on a Zen 4, 1.2-1.5x per call at 1-32 sequences of 100-1000 tokens, level at 8 x 1600
-(memory-bound there). Against one dot product and one in-memory axpy per key, on one thread of an AVX-512 host:
-decode over 300 keys 28 -> 14.5 us, 96 sequences of 160 keys 2.8 -> 1.1 ms, a verification step's 5
+(memory-bound there). Against one dot product and one in-memory axpy per key, on one thread of an
+AVX-512 host: decode over 300 keys 28 -> 14.5 us, 96 sequences of 160 keys 2.8 -> 1.1 ms, a verification step's 5
 queries over 300 keys 114 -> 61 us, a 256-token prompt 3.4 -> 1.0 ms.
 
 The source is compiled on first use by :func:`rtp.kernels.cpu_build.build` (about 30-60 s,

@@ -282,6 +282,8 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<t
     // L2 (prompt steps have thousands of rows; a whole block per panel made them come from L3: 10-15%
     // slower). Equal blocks, since each block streams every weight once: 256 rows as 240 + 16 paid a
     // decode step's weight traffic for the last 16 (AVX-512, 0.6B shapes: 0.86x -> 0.92x of oneDNN).
+    // Pair panels read bf16 rows, half the bytes: blocks of up to MB_PAIRS (240, 480 and 960 measured level
+    // within the host's noise at 256-2048 rows on a Zen 4).
     const int64_t mb_max = pairs ? MB_PAIRS : MB;
     const int64_t blocks = (M + mb_max - 1) / mb_max, step = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
     auto run = [&](auto* y0) {
