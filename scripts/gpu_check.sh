@@ -17,7 +17,8 @@
 #   3. a 2-rank NCCL smoke run, when there are 2+ GPUs
 #   4. a short benchmark (scripts/bench.py --quick); its failure is reported, not fatal
 # Writes a markdown table (check, result, seconds) to $OUT/gpu_check.md if $OUT is set, else to
-# gpu_check.md in the repository root (gitignored). Exits non-zero when a check in 1-3 fails.
+# gpu_check.md in the repository root (gitignored); with $OUT, every check's log too (gpu_check_logs.tar.gz).
+# Exits non-zero when a check in 1-3 fails.
 #
 # scripts/gpu_check.sh --fake needs no GPU: it traces the CUDA path with fake CUDA tensors
 # (python -m rtp.fake_cuda: dense and MoE Qwen3, bf16, TP 1 and 2 on torch.distributed's fake
@@ -139,6 +140,9 @@ check "benchmark (scripts/bench.py --device cuda --quick)" 90 --tolerate \
         echo "$timings" | sed 's/^/- /'
     fi
 } > "$REPORT"
+if [ -n "${OUT:-}" ]; then  # every check's whole log comes back with the report
+    tar czf "$OUT/gpu_check_logs.tar.gz" -C "$LOGS" . 2>/dev/null || true
+fi
 echo "=== report: $REPORT"
 cat "$REPORT"
 exit $rc

@@ -58,8 +58,10 @@ if triton is not None:
         a = tl.abs(y)
         binade = (a.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2**floor(log2 a)
         magic = tl.maximum(binade, 0.015625) * 1048576.0  # 2**-6 (the subnormal grid) at least; * 2**20
-        r = (a + magic) - magic
-        return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 stays -0.0
+        r = (a + magic) - magic  # >= +0
+        # y's sign bit put back with an OR: a negation compiles to 0 - r on a GPU, which turns -0.0 into +0.0
+        sign = y.to(tl.uint32, bitcast=True) & 0x80000000
+        return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _store_kv_kernel(

@@ -187,17 +187,29 @@ def runner_logits(model_dir: Path, backend: str, kv_cache_dtype: str, device: to
 
 
 def check_runner(device: torch.device, tmp: Path) -> str:
-    """The whole model with an FP8 cache: the triton backend against the torch backend (both FP8)."""
+    """The whole model with an FP8 cache: the triton backend against the torch backend (both FP8).
+
+    On a GPU both run in bf16, whose logits differ by their rounding (other summation orders, fp32 vs bf16
+    intermediates): each is measured against the float32 model (torch backend, CPU, FP8 cache too), and
+    Triton must be no further from it than the torch backend is."""
     from rtp.testing import TinyQwen3Spec, make_tiny_qwen3
 
     model_dir = make_tiny_qwen3(tmp / "m", TinyQwen3Spec(num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-    dtype, atol = ("bfloat16", 5e-2) if device.type == "cuda" else ("float32", 1e-3)
-    torch_logits = runner_logits(model_dir, "torch", "fp8_e4m3", device, dtype)
-    triton_logits = runner_logits(model_dir, "triton", "fp8_e4m3", device, dtype)
-    err = (triton_logits - torch_logits).abs().max().item()
-    if not err <= atol:
-        raise AssertionError(f"model with an fp8 cache: triton vs torch backend, max logit difference {err:.3g}")
-    return f"model, fp8 cache: triton backend vs torch backend, max logit difference {err:.2e}"
+    if device.type != "cuda":
+        torch_logits = runner_logits(model_dir, "torch", "fp8_e4m3", device, "float32")
+        triton_logits = runner_logits(model_dir, "triton", "fp8_e4m3", device, "float32")
+        err = (triton_logits - torch_logits).abs().max().item()
+        if not err <= 1e-3:
+            raise AssertionError(f"model with an fp8 cache: triton vs torch backend, max logit difference {err:.3g}")
+        return f"model, fp8 cache: triton backend vs torch backend, max logit difference {err:.2e}"
+    ref = runner_logits(model_dir, "torch", "fp8_e4m3", torch.device("cpu"), "float32")
+    err_torch = (runner_logits(model_dir, "torch", "fp8_e4m3", device, "bfloat16") - ref).abs().max().item()
+    err_triton = (runner_logits(model_dir, "triton", "fp8_e4m3", device, "bfloat16") - ref).abs().max().item()
+    if not err_triton <= 1.5 * err_torch + 2e-2:
+        raise AssertionError(f"model with an fp8 cache, bf16: triton {err_triton:.3g} from the fp32 model, "
+                             f"torch backend {err_torch:.3g}")
+    return (f"model, fp8 cache, bf16: max logit difference from the fp32 model {err_triton:.3g} (triton), "
+            f"{err_torch:.3g} (torch backend)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,6 +105,6 @@ def test_triton_attention_matches_torch_path(q_lens, k_lens, hq, hkv, d):
     assert torch.equal(attn.k_cache.view(-1, hkv, d)[meta.slot_mapping], k)
     assert torch.equal(attn.v_cache.view(-1, hkv, d)[meta.slot_mapping], v)
     attn.k_cache, attn.v_cache = attn.k_cache.float(), attn.v_cache.float()
-    ref = attn._torch(q.float(), k.float(), v.float(), meta, True)
+    ref = attn._torch(q.float(), k.float(), v.float(), meta, meta.block_tables)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)

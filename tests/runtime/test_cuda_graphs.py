@@ -104,4 +104,9 @@ def test_cuda_graph_decode_with_triton_matches_eager_and_torch(tmp_path):
     graph = runner_logits(path, "triton", False, dev, "bfloat16")
     assert torch.allclose(graph, eager_triton, atol=1e-2, rtol=1e-2)  # the same kernels, replayed
     assert torch.equal(graph.argmax(-1), eager_triton.argmax(-1))
-    assert torch.allclose(eager_triton, eager_torch, atol=5e-2, rtol=5e-2)  # bf16, another summation order
+    # bf16 logits of two implementations differ by their rounding (another summation order, fp32 vs bf16
+    # intermediates): both are measured against the float32 model, and Triton must be no further from it.
+    ref = runner_logits(path, "torch", True, dev, "float32")
+    err_triton = (eager_triton.float() - ref).abs().max().item()
+    err_torch = (eager_torch.float() - ref).abs().max().item()
+    assert err_triton <= 1.5 * err_torch + 1e-2, f"triton bf16 {err_triton:.3g} vs torch bf16 {err_torch:.3g} from fp32"
