@@ -21,7 +21,8 @@ from rtp.errors import ConfigError, RtpError
 from rtp.outputs import RequestOutput
 from rtp.sampling import SamplingParams
 
-__all__ = ["init", "generate", "generate_stream", "shutdown", "SamplingParams", "RequestOutput", "RtpError"]
+__all__ = ["init", "generate", "generate_stream", "default_sampling_params", "shutdown", "SamplingParams",
+           "RequestOutput", "RtpError"]
 
 _current = None  # the Runtime returned by init(), until shutdown()
 
@@ -77,13 +78,22 @@ def _runtime():  # noqa: ANN202
 
 
 def generate(prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:  # noqa: ANN001
-    """Generate for a string, a token-id list, or a list of either; outputs in prompt order."""
+    """Generate for a string, a token-id list, or a list of either; outputs in prompt order.
+
+    ``sampling_params`` None: :func:`default_sampling_params` (the checkpoint's recommended settings)."""
     return _runtime().generate(prompts, sampling_params, use_tqdm)
 
 
 def generate_stream(prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
     """Stream one request: yields its output after each step that changed it."""
     return _runtime().generate_stream(prompt, sampling_params)
+
+
+def default_sampling_params(**fields) -> SamplingParams:  # noqa: ANN003
+    """SamplingParams of ``fields``, the others from the model's generation_config.json where it recommends
+    them (``model.generation_config: auto``, the default), else rtp's defaults (vLLM's
+    ``LLM.get_default_sampling_params``)."""
+    return _runtime().engine.model_info.default_params(**fields)
 
 
 def shutdown() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from typing import Any
 
 import rtp
 from rtp.cli import add_common_args, exit_process, fail
@@ -31,8 +32,8 @@ PARAM_FIELDS = {f.name for f in dataclasses.fields(rtp.SamplingParams) if f.init
 DEMO_TEMPERATURE, DEMO_TOP_P, DEMO_SEED = 0.8, 0.95, 0
 
 
-def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams], list[int]]:
-    """Parse the JSONL file into prompts, their params and their line numbers.
+def read_requests(path: str) -> tuple[list, list[dict[str, Any]], list[int]]:
+    """Parse the JSONL file into prompts, their SamplingParams fields (checked) and their line numbers.
 
     Raises RtpError naming the line of the first bad entry.
     """
@@ -58,7 +59,8 @@ def read_requests(path: str) -> tuple[list, list[rtp.SamplingParams], list[int]]
                 unknown = set(item) - PARAM_FIELDS
                 if unknown:
                     raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(PARAM_FIELDS)}")
-                params.append(rtp.SamplingParams(**item))
+                rtp.SamplingParams(**item)  # checked now; built after init, the model's defaults filling the rest
+                params.append(item)
                 prompts.append(prompt)
                 linenos.append(lineno)
             except (ValueError, TypeError) as e:
@@ -79,14 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        items: list[dict] | None = None
         if args.prompts_file:
-            prompts, params, linenos = read_requests(args.prompts_file)
+            prompts, items, linenos = read_requests(args.prompts_file)
         else:
             prompts, linenos = DEMO_PROMPTS + DEMO_PROMPTS, []
             params = ([rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(DEMO_PROMPTS)
                       + [rtp.SamplingParams(max_tokens=args.max_tokens, temperature=DEMO_TEMPERATURE, top_p=DEMO_TOP_P,
                                            seed=DEMO_SEED)] * len(DEMO_PROMPTS))
         rtp.init(load_config_from_args(args, ENGINE_FLAGS))  # worker ranks serve inside init() and exit there
+        if items is not None:
+            params = [rtp.default_sampling_params(**item) for item in items]
         try:
             outputs = rtp.generate(prompts, params)
         except RequestError as e:  # "prompt <i>: why" -> "<file>:<line>: why"

@@ -89,7 +89,7 @@ class Runtime:
                 raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(batch)} prompts")
             params = sampling_params
         else:
-            params = [sampling_params or SamplingParams()] * len(batch)
+            params = [sampling_params or self.engine.model_info.default_params()] * len(batch)
         for i, sp in enumerate(params):
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] is a {type(sp).__name__}; expected rtp.SamplingParams")

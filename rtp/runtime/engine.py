@@ -75,7 +75,8 @@ class Engine:
         self.model_dir = model_dir
         self.transport = transport or (lambda plan: None)
         self.model_info = ModelInfo.load(model_dir, runner.spec.vocab_size, runner.max_model_len,
-                                         name=config.server.served_model_name)
+                                         name=config.server.served_model_name,
+                                         generation_config=config.model.generation_config)
         self.tokenizer = self.model_info.tokenizer
         self.eos_token_ids = self.model_info.eos_token_ids
         self.max_model_len = self.model_info.max_model_len
@@ -122,7 +123,7 @@ class Engine:
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Queue a request; returns its id. Raises RequestError if it can never be served."""
-        params = params or SamplingParams()
+        params = params or self.model_info.default_params()
         ids = self.inputs.tokenize(prompt)
         self.inputs.check_params(params)
         arrival = time.time()

@@ -9,11 +9,20 @@ engine or the model runner for the tokenizer or the vocabulary size.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
+
+from rtp.errors import ConfigError, RequestError
+from rtp.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""generation_config.json keys that become request defaults (vLLM's ``--generation-config auto`` reads these)."""
 
 
 @dataclass(frozen=True)
@@ -30,13 +39,44 @@ class ModelInfo:
     """Token ids that end a completion (see :func:`load_eos_ids`)."""
     max_model_len: int
     """Prompt plus completion tokens a request may have."""
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    """The checkpoint's recommended sampling settings (see :func:`load_sampling_defaults`): the values of the
+    SamplingParams fields a request leaves unset."""
 
     @classmethod
-    def load(cls, model_dir: Path, vocab_size: int, max_model_len: int, name: str | None = None) -> ModelInfo:
-        """Load the tokenizer and the EOS ids of the checkpoint in ``model_dir``."""
+    def load(cls, model_dir: Path, vocab_size: int, max_model_len: int, name: str | None = None,
+             generation_config: str = "none") -> ModelInfo:
+        """Load the tokenizer, the EOS ids and (``generation_config="auto"``) the sampling defaults of the
+        checkpoint in ``model_dir``."""
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        defaults = load_sampling_defaults(Path(model_dir)) if generation_config == "auto" else {}
         return cls(name or Path(model_dir).name, tokenizer, vocab_size, load_eos_ids(Path(model_dir), tokenizer),
-                   max_model_len)
+                   max_model_len, defaults)
+
+    def default_params(self, **fields: Any) -> SamplingParams:  # noqa: ANN401
+        """SamplingParams of ``fields``, the checkpoint's sampling defaults filling the fields not given."""
+        return SamplingParams(**{**self.sampling_defaults, **fields})
+
+
+def load_sampling_defaults(model_dir: Path) -> dict[str, Any]:
+    """The sampling settings the checkpoint's generation_config.json recommends (Qwen3 ships temperature 0.6,
+    top_p 0.95, top_k 20), as SamplingParams fields; {} without the file. As vLLM does by default, they
+    replace rtp's defaults (temperature 1.0, no top-p/top-k) for every field a request does not set.
+    ConfigError if a value is not a valid setting."""
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return {}
+    config = json.loads(path.read_text())
+    defaults = {key: config[key] for key in SAMPLING_DEFAULT_KEYS if config.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (RequestError, TypeError) as e:
+        raise ConfigError(f"{path}: {e} (model.generation_config: none ignores the file's sampling settings)"
+                          ) from None
+    if defaults:
+        logger.info("sampling defaults from %s: %s (a request's own values win; model.generation_config: none "
+                    "keeps rtp's)", path.name, ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    return defaults
 
 
 def load_eos_ids(model_dir: Path, tokenizer: Any) -> list[int]:  # noqa: ANN401

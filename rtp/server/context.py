@@ -178,7 +178,7 @@ class ServerContext:
             req_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             max_tokens = resolve_max_tokens(req.requested_max_tokens(), self.server, len(ids), self.max_model_len,
                                             req_param, prompt_param)
-            params = req.sampling_params(max_tokens, logprobs)
+            params = req.sampling_params(max_tokens, logprobs, self.info.sampling_defaults)
             if constraint is not None:
                 params.constraint = constraint
             rid = f"{prefix}-{uuid.uuid4().hex}"

@@ -110,7 +110,8 @@ class EngineLoop:
         cfg = self.runtime.config
         hello: dict[str, Any] = {
             "server": _server_dict(cfg), "model_dir": str(engine.model_dir), "vocab_size": info.vocab_size,
-            "max_model_len": info.max_model_len, "name": info.name, "access_log": self.access_log,
+            "max_model_len": info.max_model_len, "name": info.name, "sampling_defaults": info.sampling_defaults,
+            "access_log": self.access_log,
             "log_level": cfg.log_level,
             "limits": {"block_size": runner.block_size, "num_blocks": runner.num_blocks,
                        "max_num_seqs": cfg.scheduler.max_num_seqs,

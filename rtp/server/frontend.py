@@ -12,6 +12,7 @@ stop with the same bounded drain), FAIL or EOF from the engine (exit 1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     server_cfg = ServerConfig(**hello["server"])
-    info = ModelInfo.load(Path(hello["model_dir"]), hello["vocab_size"], hello["max_model_len"], name=hello["name"])
+    info = dataclasses.replace(ModelInfo.load(Path(hello["model_dir"]), hello["vocab_size"], hello["max_model_len"],
+                                              name=hello["name"]), sampling_defaults=hello["sampling_defaults"])
     # Data parallelism: one more engine per other replica, each with its own HELLO (its cache size).
     replicas = [replica_sockets.connect(replica_sockets.Endpoint.from_json(e)) for e in hello.get("replicas", [])]
     limits = dict(hello["limits"])

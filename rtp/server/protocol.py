@@ -177,9 +177,11 @@ class CommonRequest(_Strict):
                                 f"{', '.join(f.field for f in found)}", found[1].field)
         return found[0] if found else None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request; ``max_tokens`` was already resolved by the server."""
-        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs}
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams for this request; ``max_tokens`` was already resolved by the server; ``defaults``
+        (the checkpoint's recommended settings) fill the fields the request leaves unset."""
+        kwargs: dict[str, Any] = {**(defaults or {}), "max_tokens": max_tokens, "logprobs": logprobs}
         for name in ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "min_tokens", "ignore_eos",
                      "stop_token_ids", "skip_special_tokens", "n", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs"):

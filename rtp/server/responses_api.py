@@ -45,8 +45,9 @@ class ResponseWriter:
     """Builds one request's Response object and, when streamed, its events in order."""
 
     def __init__(self, req: ResponsesRequest, response_id: str, model: str, num_prompt_tokens: int,
-                 output: ChatOutput) -> None:
+                 output: ChatOutput, sampling_defaults: dict[str, Any] | None = None) -> None:
         self.req, self.id, self.model, self.output = req, response_id, model, output
+        self.sampling_defaults = sampling_defaults or {}
         self.num_prompt_tokens = num_prompt_tokens
         self.created = time.time()
         self.items: list[dict[str, Any]] = []  # output items, in order
@@ -66,7 +67,7 @@ class ResponseWriter:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": list(self.items), "usage": usage, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                **self.req.echo_fields()}
+                **self.req.echo_fields(self.sampling_defaults)}
 
     @staticmethod
     def status_of(out: RequestOutput) -> str:
@@ -197,7 +198,7 @@ async def create_response(api: ServerContext, request: Request) -> Response:
     constraint = await api.constraint(chat.tool_grammar() or chat.grammar_spec())
     stream, ids, _ = await api.submit(chat, text, None, "resp", "input", constraint)
     output = ChatOutput(reasoning=api.server.reasoning_parser is not None, tool_mode=mode, tool_name=tool_name)
-    writer = ResponseWriter(req, _id("resp"), api.model_name, len(ids), output)
+    writer = ResponseWriter(req, _id("resp"), api.model_name, len(ids), output, api.info.sampling_defaults)
     if req.stream:
         return ClosingEventStream(_events(api, stream, writer), [stream])
     try:

@@ -196,12 +196,13 @@ class ResponsesRequest(_Strict):
             chat.check_supported()  # "names a function that is not among the tools", in chat's words
         return chat
 
-    def echo_fields(self) -> dict[str, Any]:
-        """The request settings a Response object repeats."""
+    def echo_fields(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The request settings a Response object repeats (``defaults``: the model's, for those not set)."""
         choice = self.tool_choice
+        defaults = defaults or {}
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
-                "temperature": 1.0 if self.temperature is None else self.temperature,
-                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "temperature": defaults.get("temperature", 1.0) if self.temperature is None else self.temperature,
+                "top_p": defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
                 "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
                 "tool_choice": choice.model_dump() if isinstance(choice, FunctionToolChoice) else (choice or "auto"),
                 "parallel_tool_calls": self.parallel_tool_calls is not False,

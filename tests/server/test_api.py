@@ -9,6 +9,7 @@ independently from the tokenizer; :func:`fake_model_info` describes its model.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -134,11 +135,12 @@ def expected_text(tokenizer, n: int) -> str:
     return tokenizer.decode([p[i % len(p)] for i in range(n)])
 
 
-def make_app(tokenizer, step_delay_s: float = 0.0, **server):
+def make_app(tokenizer, step_delay_s: float = 0.0, sampling_defaults: dict | None = None, **server):
     engine = FakeEngine(tokenizer, step_delay_s)
     config = load_config(None, server={"max_tokens_limit": 40, "default_max_tokens": 12, **server})
     async_engine = AsyncEngine(engine)
-    return build_app(async_engine, config, fake_model_info(engine)), engine, async_engine
+    info = dataclasses.replace(fake_model_info(engine), sampling_defaults=sampling_defaults or {})
+    return build_app(async_engine, config, info), engine, async_engine
 
 
 @pytest.fixture
@@ -190,6 +192,28 @@ def test_request_fields_map_to_sampling_params(served):
     assert ids == [5, 6, 7]
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, p.top_k, p.min_p, p.min_tokens, p.ignore_eos,
             p.stop_token_ids, p.logprobs) == (3, 0.5, 0.9, 11, ["x", "yz"], 4, 0.1, 1, True, [9], None)
+
+
+def test_the_models_sampling_defaults_fill_only_what_a_request_leaves_unset(tokenizer):
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}  # Qwen3's generation_config.json
+    app, engine, _ = make_app(tokenizer, sampling_defaults=defaults)
+    with TestClient(app) as client:
+        for path, body in (("/v1/completions", {"prompt": "a"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})):
+            assert client.post(path, json=body).status_code == 200
+            p = engine.added[-1][1]
+            assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.6, 0.95, 20, 0.0), path
+        assert client.post("/v1/completions", json={"prompt": "a", "temperature": 0, "top_k": -1}).status_code == 200
+        p = engine.added[-1][1]
+        assert (p.temperature, p.top_p, p.top_k) == (0.0, 0.95, -1)  # the request's own values win
+        r = client.post("/v1/responses", json={"input": "a"})  # a Response repeats the settings it ran with
+        assert r.status_code == 200 and (r.json()["temperature"], r.json()["top_p"]) == (0.6, 0.95)
+        assert engine.added[-1][1].temperature == 0.6
+    app, engine, _ = make_app(tokenizer)  # no defaults: rtp's (the OpenAI API's) temperature 1.0
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 200
+        p = engine.added[-1][1]
+        assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, -1)
 
 
 def test_chat_applies_template_and_maps_chat_fields(served, tokenizer):
