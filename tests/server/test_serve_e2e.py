@@ -250,6 +250,9 @@ def read_stream(url: str, body: dict, result: dict, headers: dict | None = None)
     result.update(text="", finish=None, error=None, done=False)
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers or {}, timeout=60) as r:
+            if r.status_code != 200:  # refused before its stream began (a 503 once the engine is lost)
+                result["error"] = f"{r.status_code}: {r.read().decode(errors='replace')}"
+                return
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
