@@ -17,7 +17,7 @@
 
 Every engine runs in a child process of its own, one after the other (never two
 at once), on the same checkpoint and the same requests, in the same dtype, greedy
-(or sampled at ``--temperature``, no top-k/top-p) with EOS ignored, prefix caching
+(or sampled at ``--temperature``, ``--top-p`` if given, no top-k) with EOS ignored, prefix caching
 off. For each it reports:
 
 * whole process: wall time of the child, start to exit (imports, load, warm-up, runs);
@@ -105,7 +105,8 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
                   quantization=args.quantization if args.quantization != "none" else None,
                   speculative_config=spec)
     # Worker ranks never get here: they serve inside init() and exit.
-    params = [rtp.SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    params = [rtp.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
+              for _, n in reqs]
     prompts = [p for p, _ in reqs]
     warm = prompts[:2]
     rtp.generate(warm, [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * len(warm),
@@ -131,7 +132,7 @@ def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dic
     dev = torch.device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(dev).eval()
-    sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0) if args.temperature else \
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=args.top_p) if args.temperature else \
         dict(do_sample=False)
     model.generation_config.eos_token_id = None
 
@@ -172,8 +173,8 @@ def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> d
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
               enable_prefix_caching=False, max_num_seqs=256, seed=0, speculative_config=spec)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
-    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, detokenize=False)
-              for _, n in reqs]
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True,
+                             detokenize=False) for _, n in reqs]
     warm = prompts[:2]
     llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)] * len(warm),
                  use_tqdm=False)
@@ -346,6 +347,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every engine's dtype")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 = greedy (outputs compared); > 0 samples at that temperature (outputs not compared)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (1 = off)")
     ap.add_argument("--quantization", default="none",
                     help="comma-separated rtp weight formats: none, int8 (int8 weight-only); each rtp run per format")
     ap.add_argument("--wait-quiet", type=float, default=120.0, help="max seconds to wait for an idle machine")
@@ -379,7 +381,8 @@ def main() -> None:
 
     base_env = {**os.environ, "RTP_BENCH_WORKLOAD": json.dumps(reqs), "PYTHONPATH": str(ROOT)}
     me = [str(Path(__file__).resolve()), "--model", args.model, "--device", args.device,
-          "--hf-batch", str(args.hf_batch), "--dtype", args.dtype, "--temperature", str(args.temperature)]
+          "--hf-batch", str(args.hf_batch), "--dtype", args.dtype, "--temperature", str(args.temperature),
+          "--top-p", str(args.top_p)]
     if args.speculative_config:
         me += ["--speculative-config", args.speculative_config]
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: args.threads])
@@ -425,7 +428,8 @@ def main() -> None:
     print(f"workload: {len(reqs)} requests, prompts {min(len(p) for p, _ in reqs)}-{max(len(p) for p, _ in reqs)} "
           f"({prompt_tokens} tokens), outputs {min(n for _, n in reqs)}-{max(n for _, n in reqs)} "
           f"({sum(n for _, n in reqs)} tokens), {args.dtype}, "
-          f"{'greedy' if not args.temperature else f'temperature {args.temperature}'}, EOS ignored")
+          f"{'greedy' if not args.temperature else f'temperature {args.temperature}'}"
+          f"{f', top_p {args.top_p}' if args.temperature and args.top_p < 1 else ''}, EOS ignored")
     floor = 0.0
     if gbs:
         floor = roofline_floor(args.model, reqs, 2 if args.dtype == "bfloat16" else 4, gflops, gbs)

@@ -18,10 +18,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """
     if not HAS_CXX or not any(item.get_closest_marker("slow") for item in session.items):
         return
-    from rtp.kernels import cpu_allreduce, cpu_attention, cpu_gemm, cpu_ops
+    from rtp.kernels import cpu_allreduce, cpu_attention, cpu_gemm, cpu_ops, cpu_sampling
 
     start = time.monotonic()
-    for kernel in (cpu_attention, cpu_ops, cpu_gemm, cpu_allreduce):
+    for kernel in (cpu_attention, cpu_ops, cpu_gemm, cpu_allreduce, cpu_sampling):
         kernel.load()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rtp.kernels import cpu_sampling
 from rtp.log import get_logger
 from rtp.runtime.logprobs import top_logprobs
 from rtp.sampling import SamplingParams, TokenConstraint
@@ -191,8 +192,16 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     a trained model at usual temperatures reaches ``top_p`` within a few hundred tokens. So the
     :data:`TOP_P_HEAD` largest probabilities come first (``topk``: the same values, in the same
     order, as the head of the full sort, so the result is exactly the full sort's); only rows whose
-    head holds less than ``top_p`` are sorted whole.
+    head holds less than ``top_p`` are sorted whole. On a CPU the C++ kernel of
+    :mod:`rtp.kernels.cpu_sampling` finds the same boundary without sorting (the torch code,
+    :func:`top_p_threshold_sorted`, is its reference).
     """
+    found = cpu_sampling.top_p_threshold(probs, top_p)
+    return found if found is not None else top_p_threshold_sorted(probs, top_p)
+
+
+def top_p_threshold_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """:func:`_top_p_threshold` by sorting: the head of the row first, the whole row where needed."""
 
     def threshold(sorted_probs: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the boundary token's probability, the mass of ``sorted_probs``), each ``[rows, 1]``."""
