@@ -8,7 +8,9 @@ no rank, frontend or segment left) and SIGTERM (running requests finish, exit 0)
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -46,9 +48,15 @@ def servers(tmp_path_factory):
         "device: cpu\ndtype: float32\nblock_size: 16\nmax_num_seqs: 16\ncpu_kv_cache_gib: 0.25\n"
         f"enforce_eager: true\nliveness_timeout_s: 5\nserver:\n  shutdown_grace_s: {GRACE_S}\n  api_processes: 2\n"
     )
-    # The SIGTERM server has a long context: 8000 tokens take several times the grace.
+    # The SIGTERM server has a long context: 8000 tokens take several times the grace. Its checkpoint (a copy)
+    # recommends greedy decoding in generation_config.json: the frontend must apply it to requests.
+    greedy_model = tmp / "greedy-model"
+    shutil.copytree(default_model_dir(), greedy_model)
+    gen = json.loads((greedy_model / "generation_config.json").read_text())
+    (greedy_model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0, "top_p": 0.5}))
     long = tmp / "long.yaml"
-    long.write_text(config.read_text().replace("max_num_seqs: 16", "max_num_seqs: 16\nmax_model_len: 8192")
+    long.write_text(config.read_text().replace(str(default_model_dir()), str(greedy_model))
+                    .replace("max_num_seqs: 16", "max_num_seqs: 16\nmax_model_len: 8192")
                     .replace("api_processes: 2", "api_processes: 1") + "  max_tokens_limit: 8192\n")
     started = [launch(tmp, "keyed", config, "--api-key", API_KEY), launch(tmp, "grace", long)]
     try:
@@ -197,6 +205,22 @@ def _other_ranks(server: Server) -> list[int]:
     from tests.utils import rank_pids
 
     return [p for r, p in rank_pids(server.proc.pid).items() if r != 0]
+
+
+def test_the_checkpoints_sampling_defaults_reach_the_frontend(servers, reference):
+    """A request that sets no temperature is decoded greedily (generation_config.json: temperature 0), one that
+    sets temperature keeps it; a Response repeats the defaults it ran with."""
+    url = servers["grace"].url
+    prompt, ids, text = reference
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": len(ids), "ignore_eos": True},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
+    r = httpx.post(url + "/v1/responses", json={"input": "Hello", "max_output_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and (r.json()["temperature"], r.json()["top_p"]) == (0.0, 0.5), r.text
+    sampled = {httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 24, "ignore_eos": True,
+                                                          "temperature": 1.0, "top_p": 1.0, "seed": seed},
+                          timeout=60).json()["choices"][0]["text"] for seed in range(3)}
+    assert len(sampled) > 1  # the request's own temperature won: three seeds, not one greedy text
 
 
 def test_sigterm_lets_short_requests_finish_and_exits_0(servers):
