@@ -16,6 +16,7 @@ so the boundary is the sort's: only a mass within a rounding of ``top_p`` could 
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -109,6 +110,7 @@ torch::Tensor top_p_threshold(const torch::Tensor& probs, const torch::Tensor& t
 """
 
 
+@functools.lru_cache(maxsize=1)
 def load() -> ModuleType | None:
     """Build (first use) and import the kernel; None where it cannot be built (the sort stays)."""
     return build("cpu_sampling", _SOURCE, ["top_p_threshold"])
