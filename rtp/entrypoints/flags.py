@@ -51,6 +51,10 @@ def _dtype(value: str) -> str:
     return _DTYPE_ALIASES.get(value, value)
 
 
+def _generation_config(value: str) -> str:
+    return "none" if value == "vllm" else value  # vLLM's "vllm": its own defaults, not the checkpoint's
+
+
 def _kv_cache_dtype(value: str) -> str:
     return "fp8_e4m3" if value == "fp8" else value  # vLLM's "fp8" is e4m3 on CUDA
 
@@ -109,9 +113,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("liveness.timeout_s", ("--liveness-timeout-s",), float, "seconds without a heartbeat before a rank is hung"),
     Flag("liveness.step_timeout_s", ("--step-timeout-s",), float,
          "seconds one step may run before it is reported stuck"),
-    Flag("model.generation_config", ("--generation-config",), str,
-         "auto: the checkpoint's generation_config.json sampling settings are request defaults; none: rtp's",
-         choices=("auto", "none")),
+    Flag("model.generation_config", ("--generation-config",), _generation_config,
+         "auto: the checkpoint's generation_config.json sampling settings are request defaults; none (vLLM's "
+         "vllm accepted): rtp's", metavar="{auto,none}"),
     Flag("model.seed", ("--seed",), int, "seed of the default random generator"),
     Flag("speculative_config", ("--speculative-config",), _json_mapping,
          'speculative decoding as a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',

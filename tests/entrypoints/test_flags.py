@@ -45,6 +45,12 @@ def test_kv_cache_dtype_flag_takes_vllm_spellings():
     assert config_of(["--kv-cache-dtype", "fp8"]).cache.kv_cache_dtype == "fp8_e4m3"  # vLLM's alias of e4m3
 
 
+def test_generation_config_flag_takes_vllms_spelling():
+    assert config_of([]).model.generation_config == "auto"
+    assert config_of(["--generation-config", "none"]).model.generation_config == "none"
+    assert config_of(["--generation-config", "vllm"]).model.generation_config == "none"  # vLLM: its own defaults
+
+
 def test_api_server_count_and_its_alias():
     assert config_of([]).server.api_processes is None  # chosen by the core count at start
     assert config_of(["--api-server-count", "2"]).server.api_processes == 2
