@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec
 
@@ -45,6 +47,14 @@ MOE_SHAPES: dict[str, TinyQwen3MoeSpec] = {
 # rtp's C++ CPU kernels build wherever a compiler is: their tests skip only without one, so a kernel
 # whose source fails to compile fails its tests instead of hiding behind the torch fallback.
 HAS_CXX = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+def with_generation_config(src: Path, dst: Path, **settings: Any) -> Path:  # noqa: ANN401
+    """A copy of the checkpoint folder ``src`` at ``dst`` whose generation_config.json also holds ``settings``."""
+    shutil.copytree(src, dst)
+    path = dst / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
+    return dst
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -21,6 +21,7 @@ from rtp.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+GENERATION_CONFIG = "generation_config.json"
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 """generation_config.json keys that become request defaults (vLLM's ``--generation-config auto`` reads these)."""
 
@@ -36,11 +37,11 @@ class ModelInfo:
     vocab_size: int
     """Rows of the model's LM head: every token id is below this."""
     eos_token_ids: list[int]
-    """Token ids that end a completion (see :func:`load_eos_ids`)."""
+    """Token ids that end a completion (see :func:`eos_ids`)."""
     max_model_len: int
     """Prompt plus completion tokens a request may have."""
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    """The checkpoint's recommended sampling settings (see :func:`load_sampling_defaults`): the values of the
+    """The checkpoint's recommended sampling settings (see :func:`sampling_defaults_of`): the values of the
     SamplingParams fields a request leaves unset."""
 
     @classmethod
@@ -49,25 +50,23 @@ class ModelInfo:
         """Load the tokenizer, the EOS ids and (``generation_config="auto"``) the sampling defaults of the
         checkpoint in ``model_dir``."""
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        defaults = load_sampling_defaults(Path(model_dir)) if generation_config == "auto" else {}
-        return cls(name or Path(model_dir).name, tokenizer, vocab_size, load_eos_ids(Path(model_dir), tokenizer),
-                   max_model_len, defaults)
+        path = Path(model_dir) / GENERATION_CONFIG
+        gen = json.loads(path.read_text()) if path.exists() else {}  # read once for the EOS ids and the defaults
+        defaults = sampling_defaults_of(gen, path) if generation_config == "auto" else {}
+        return cls(name or Path(model_dir).name, tokenizer, vocab_size, eos_ids(gen, tokenizer), max_model_len,
+                   defaults)
 
     def default_params(self, **fields: Any) -> SamplingParams:  # noqa: ANN401
         """SamplingParams of ``fields``, the checkpoint's sampling defaults filling the fields not given."""
         return SamplingParams(**{**self.sampling_defaults, **fields})
 
 
-def load_sampling_defaults(model_dir: Path) -> dict[str, Any]:
-    """The sampling settings the checkpoint's generation_config.json recommends (Qwen3 ships temperature 0.6,
-    top_p 0.95, top_k 20), as SamplingParams fields; {} without the file. As vLLM does by default, they
-    replace rtp's defaults (temperature 1.0, no top-p/top-k) for every field a request does not set.
+def sampling_defaults_of(gen: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The sampling settings the checkpoint's generation_config.json (``gen``, parsed from ``path``) recommends
+    (Qwen3 ships temperature 0.6, top_p 0.95, top_k 20), as SamplingParams fields. As vLLM does by default,
+    they replace rtp's defaults (temperature 1.0, no top-p/top-k) for every field a request does not set.
     ConfigError if a value is not a valid setting."""
-    path = model_dir / "generation_config.json"
-    if not path.exists():
-        return {}
-    config = json.loads(path.read_text())
-    defaults = {key: config[key] for key in SAMPLING_DEFAULT_KEYS if config.get(key) is not None}
+    defaults = {key: gen[key] for key in SAMPLING_DEFAULT_KEYS if gen.get(key) is not None}
     try:
         SamplingParams(**defaults)
     except (RequestError, TypeError) as e:
@@ -79,13 +78,11 @@ def load_sampling_defaults(model_dir: Path) -> dict[str, Any]:
     return defaults
 
 
-def load_eos_ids(model_dir: Path, tokenizer: Any) -> list[int]:  # noqa: ANN401
-    """EOS ids from generation_config.json (may be a list) and the tokenizer."""
+def eos_ids(gen: dict[str, Any], tokenizer: Any) -> list[int]:  # noqa: ANN401
+    """EOS ids from generation_config.json (``gen``, parsed; the id may be a list) and the tokenizer."""
     ids: set[int] = set()
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    eos = gen.get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)

@@ -7,9 +7,6 @@ scheduler, sampler, detokenizer and engine together in milliseconds.
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,10 +16,11 @@ from rtp.config import ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.errors import ConfigError, RequestError
 from rtp.runtime.batch import BatchMirror
 from rtp.runtime.engine import Engine
-from rtp.runtime.model_info import load_sampling_defaults
+from rtp.runtime.model_info import GENERATION_CONFIG, ModelInfo, sampling_defaults_of
 from rtp.runtime.model_runner import StepOutput
 from rtp.sampling import SamplingParams
 from rtp.testing import default_model_dir
+from tests.utils import with_generation_config
 
 VOCAB = 512
 
@@ -202,16 +200,8 @@ def test_sampling_takes_the_full_path_only_while_a_request_needs_it(model_dir):
     assert run(engine)[e].token_ids == [30, 31, 32] and not calls and all(argmax_plans)  # finished: no trace
 
 
-def _with_generation_config(src: Path, dst: Path, **sampling) -> Path:
-    """A copy of the checkpoint folder ``src`` whose generation_config.json also holds ``sampling``."""
-    shutil.copytree(src, dst)
-    gen = json.loads((dst / "generation_config.json").read_text())
-    (dst / "generation_config.json").write_text(json.dumps({**gen, **sampling}))
-    return dst
-
-
 def test_generation_config_sampling_settings_are_the_defaults_of_requests(model_dir, tmp_path):
-    qwen3 = _with_generation_config(model_dir, tmp_path / "qwen3", temperature=0.6, top_p=0.95, top_k=20,
+    qwen3 = with_generation_config(model_dir, tmp_path / "qwen3", temperature=0.6, top_p=0.95, top_k=20,
                                     do_sample=True)
     info = make_engine(qwen3, {}).model_info
     assert info.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
@@ -219,7 +209,7 @@ def test_generation_config_sampling_settings_are_the_defaults_of_requests(model_
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.2, 0.95, 20, 3)
     # Greedy by default: a request without params is decoded by argmax (the greedy fast path), as with
     # explicit temperature 0; with generation_config: none the default is temperature 1.0 (sampled).
-    greedy = _with_generation_config(model_dir, tmp_path / "greedy", temperature=0.0)
+    greedy = with_generation_config(model_dir, tmp_path / "greedy", temperature=0.0)
     for folder, mode, argmax in ((greedy, "auto", True), (greedy, "none", False), (model_dir, "auto", False)):
         config = RtpConfig(parallel=ParallelConfig(device="cpu"), model=ModelConfig(generation_config=mode),
                            scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
@@ -230,7 +220,10 @@ def test_generation_config_sampling_settings_are_the_defaults_of_requests(model_
 
 
 def test_a_bad_generation_config_value_fails_at_start_naming_the_file(model_dir, tmp_path):
-    bad = _with_generation_config(model_dir, tmp_path / "bad", top_p=1.5)
+    bad = with_generation_config(model_dir, tmp_path / "bad", top_p=1.5)
     with pytest.raises(ConfigError, match=r"generation_config.json.*top_p"):
         make_engine(bad, {})
-    assert load_sampling_defaults(tmp_path) == {}  # no file: no defaults
+    assert sampling_defaults_of({"eos_token_id": 3}, tmp_path / GENERATION_CONFIG) == {}  # none recommended
+    bare = with_generation_config(model_dir, tmp_path / "bare")
+    (bare / GENERATION_CONFIG).unlink()
+    assert ModelInfo.load(bare, VOCAB, 64, generation_config="auto").sampling_defaults == {}  # no file: no defaults

@@ -8,9 +8,7 @@ no rank, frontend or segment left) and SIGTERM (running requests finish, exit 0)
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -25,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rtp.distributed.liveness import pid_alive
 from rtp.testing import default_model_dir
 from tests.server.test_serve_e2e import Server, kill, launch, metric, read_stream, shm_segments, wait_ready
-from tests.utils import hf_greedy
+from tests.utils import hf_greedy, with_generation_config
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +48,7 @@ def servers(tmp_path_factory):
     )
     # The SIGTERM server has a long context: 8000 tokens take several times the grace. Its checkpoint (a copy)
     # recommends greedy decoding in generation_config.json: the frontend must apply it to requests.
-    greedy_model = tmp / "greedy-model"
-    shutil.copytree(default_model_dir(), greedy_model)
-    gen = json.loads((greedy_model / "generation_config.json").read_text())
-    (greedy_model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0, "top_p": 0.5}))
+    greedy_model = with_generation_config(default_model_dir(), tmp / "greedy-model", temperature=0.0, top_p=0.5)
     long = tmp / "long.yaml"
     long.write_text(config.read_text().replace(str(default_model_dir()), str(greedy_model))
                     .replace("max_num_seqs: 16", "max_num_seqs: 16\nmax_model_len: 8192")
