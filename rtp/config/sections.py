@@ -88,8 +88,8 @@ class ModelConfig(Section):
     """Seed of the default random generator, in [0, 2**63 - 1] (requests may bring their own)."""
     generation_config: str = setting("auto", choice("auto", "none"))
     """"auto": the checkpoint's generation_config.json sampling settings (temperature, top_p, top_k, min_p,
-    repetition_penalty) become the defaults of requests that leave them unset, as vLLM does; "none": rtp's
-    own defaults (temperature 1.0, no top-p/top-k/min-p)."""
+    repetition_penalty, max_new_tokens as max_tokens) become the defaults of requests that leave them unset,
+    as vLLM does; "none": rtp's own defaults (temperature 1.0, no top-p/top-k/min-p)."""
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,10 @@ from rtp.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG = "generation_config.json"
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-"""generation_config.json keys that become request defaults (vLLM's ``--generation-config auto`` reads these)."""
+SAMPLING_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+"""generation_config.json keys that become request defaults (vLLM's ``--generation-config auto`` reads these),
+with the SamplingParams field each sets (HF's max_new_tokens is max_tokens)."""
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,10 @@ class ModelInfo:
 def sampling_defaults_of(gen: dict[str, Any], path: Path) -> dict[str, Any]:
     """The sampling settings the checkpoint's generation_config.json (``gen``, parsed from ``path``) recommends
     (Qwen3 ships temperature 0.6, top_p 0.95, top_k 20), as SamplingParams fields. As vLLM does by default,
-    they replace rtp's defaults (temperature 1.0, no top-p/top-k) for every field a request does not set.
+    they replace rtp's defaults (temperature 1.0, no top-p/top-k; a server's default_max_tokens) for every
+    field a request does not set.
     ConfigError if a value is not a valid setting."""
-    defaults = {key: gen[key] for key in SAMPLING_DEFAULT_KEYS if gen.get(key) is not None}
+    defaults = {name: gen[key] for key, name in SAMPLING_DEFAULT_KEYS.items() if gen.get(key) is not None}
     try:
         SamplingParams(**defaults)
     except (RequestError, TypeError) as e:

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from rtp.config import ServerConfig
 from rtp.outputs import RequestOutput
 from rtp.runtime.model_info import ModelInfo
+from rtp.sampling import SamplingParams
 from rtp.server import streaming
 from rtp.server.async_engine import RequestStream, ServingEngine
 from rtp.server.chat_output import ToolMode
@@ -48,6 +49,16 @@ _T = TypeVar("_T")
 DP_RANK_HEADER = "X-Data-Parallel-Rank"
 """Pins a request to one data-parallel replica (vLLM's spelling); the body field ``data_parallel_rank`` too."""
 _GRAMMAR_TIMEOUT_S = 30.0  # a grammar that takes longer to compile is refused (400)
+
+
+class Submitted(NamedTuple):
+    """A queued request: its output stream, prompt ids, request id and the SamplingParams it runs with
+    (the request's own settings, the checkpoint's defaults filling the rest)."""
+
+    stream: RequestStream
+    ids: list[int]
+    request_id: str
+    params: SamplingParams
 
 
 class _Constraint:
@@ -170,19 +181,19 @@ class ServerContext:
                            "model", "model_not_found")
 
     async def submit(self, req: CommonRequest, prompt: str | list[int], logprobs: int | None, prefix: str,
-                     prompt_param: str, constraint: Callable[[], Any] | None = None
-                     ) -> tuple[RequestStream, list[int], str]:
-        """Tokenize (off the loop), build SamplingParams and queue the request: (stream, prompt ids, request id)."""
+                     prompt_param: str, constraint: Callable[[], Any] | None = None) -> Submitted:
+        """Tokenize (off the loop), build SamplingParams and queue the request."""
         try:
             ids = await self.off_loop(self.engine.tokenize, prompt)
             req_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             max_tokens = resolve_max_tokens(req.requested_max_tokens(), self.server, len(ids), self.max_model_len,
-                                            req_param, prompt_param)
+                                            req_param, prompt_param, self.info.sampling_defaults.get("max_tokens"))
             params = req.sampling_params(max_tokens, logprobs, self.info.sampling_defaults)
             if constraint is not None:
                 params.constraint = constraint
             rid = f"{prefix}-{uuid.uuid4().hex}"
-            return self.engine.add_request(ids, params, rid, getattr(req, "data_parallel_rank", None)), ids, rid
+            stream = self.engine.add_request(ids, params, rid, getattr(req, "data_parallel_rank", None))
+            return Submitted(stream, ids, rid, params)
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
             raise runtime_error(e, prompt_param) from None
 

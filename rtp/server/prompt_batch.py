@@ -79,7 +79,7 @@ async def batch_completions(api: ServerContext, request: Request, req: Completio
     try:
         for i, prompt in enumerate(prompts):
             # Errors name the prompt's place in the list, e.g. "prompt.2".
-            stream, ids, _ = await api.submit(req, prompt, req.logprobs, "cmpl", f"prompt.{i}", constraint)
+            stream, ids, _, _ = await api.submit(req, prompt, req.logprobs, "cmpl", f"prompt.{i}", constraint)
             streams.append(stream)
             counts.append(len(ids))
             build = _PromptBuilder("text_completion", rid, api.model_name, api.tokenizer, len(ids), req.logprobs,

@@ -26,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from rtp.outputs import RequestOutput
+from rtp.sampling import SamplingParams
 from rtp.server.async_engine import RequestStream
 from rtp.server.chat_output import ChatOutput
 from rtp.server.http_errors import ClientGone, runtime_error
@@ -45,9 +46,9 @@ class ResponseWriter:
     """Builds one request's Response object and, when streamed, its events in order."""
 
     def __init__(self, req: ResponsesRequest, response_id: str, model: str, num_prompt_tokens: int,
-                 output: ChatOutput, sampling_defaults: dict[str, Any] | None = None) -> None:
+                 output: ChatOutput, params: SamplingParams) -> None:
         self.req, self.id, self.model, self.output = req, response_id, model, output
-        self.sampling_defaults = sampling_defaults or {}
+        self.params = params  # what the request runs with: the Response repeats its temperature and top_p
         self.num_prompt_tokens = num_prompt_tokens
         self.created = time.time()
         self.items: list[dict[str, Any]] = []  # output items, in order
@@ -67,7 +68,7 @@ class ResponseWriter:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": list(self.items), "usage": usage, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                **self.req.echo_fields(self.sampling_defaults)}
+                **self.req.echo_fields(self.params)}
 
     @staticmethod
     def status_of(out: RequestOutput) -> str:
@@ -196,9 +197,9 @@ async def create_response(api: ServerContext, request: Request) -> Response:
     mode, tool_name = api.tool_mode(chat)
     text = await api.render_chat(chat.conversation(), chat.tool_dicts(), chat.chat_template_kwargs, True)
     constraint = await api.constraint(chat.tool_grammar() or chat.grammar_spec())
-    stream, ids, _ = await api.submit(chat, text, None, "resp", "input", constraint)
+    stream, ids, _, params = await api.submit(chat, text, None, "resp", "input", constraint)
     output = ChatOutput(reasoning=api.server.reasoning_parser is not None, tool_mode=mode, tool_name=tool_name)
-    writer = ResponseWriter(req, _id("resp"), api.model_name, len(ids), output, api.info.sampling_defaults)
+    writer = ResponseWriter(req, _id("resp"), api.model_name, len(ids), output, params)
     if req.stream:
         return ClosingEventStream(_events(api, stream, writer), [stream])
     try:

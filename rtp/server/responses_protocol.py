@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 from pydantic_core import PydanticCustomError
 
+from rtp.sampling import SamplingParams
 from rtp.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -196,13 +197,12 @@ class ResponsesRequest(_Strict):
             chat.check_supported()  # "names a function that is not among the tools", in chat's words
         return chat
 
-    def echo_fields(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The request settings a Response object repeats (``defaults``: the model's, for those not set)."""
+    def echo_fields(self, params: SamplingParams) -> dict[str, Any]:
+        """The request settings a Response object repeats; temperature and top_p as ``params`` (what the
+        request runs with, the checkpoint's defaults filling what it left unset)."""
         choice = self.tool_choice
-        defaults = defaults or {}
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
-                "temperature": defaults.get("temperature", 1.0) if self.temperature is None else self.temperature,
-                "top_p": defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
+                "temperature": params.temperature, "top_p": params.top_p,
                 "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
                 "tool_choice": choice.model_dump() if isinstance(choice, FunctionToolChoice) else (choice or "auto"),
                 "parallel_tool_calls": self.parallel_tool_calls is not False,

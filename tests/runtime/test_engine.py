@@ -202,11 +202,12 @@ def test_sampling_takes_the_full_path_only_while_a_request_needs_it(model_dir):
 
 def test_generation_config_sampling_settings_are_the_defaults_of_requests(model_dir, tmp_path):
     qwen3 = with_generation_config(model_dir, tmp_path / "qwen3", temperature=0.6, top_p=0.95, top_k=20,
-                                    do_sample=True)
+                                    do_sample=True, max_new_tokens=7)
     info = make_engine(qwen3, {}).model_info
-    assert info.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert info.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 7}
     p = info.default_params(temperature=0.2, max_tokens=3)
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.2, 0.95, 20, 3)
+    assert info.default_params().max_tokens == 7  # HF's max_new_tokens is the default max_tokens
     # Greedy by default: a request without params is decoded by argmax (the greedy fast path), as with
     # explicit temperature 0; with generation_config: none the default is temperature 1.0 (sampled).
     greedy = with_generation_config(model_dir, tmp_path / "greedy", temperature=0.0)

@@ -195,20 +195,25 @@ def test_request_fields_map_to_sampling_params(served):
 
 
 def test_the_models_sampling_defaults_fill_only_what_a_request_leaves_unset(tokenizer):
-    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}  # Qwen3's generation_config.json
+    # Qwen3's generation_config.json, plus a max_new_tokens (HF's name for max_tokens)
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 5}
     app, engine, _ = make_app(tokenizer, sampling_defaults=defaults)
     with TestClient(app) as client:
         for path, body in (("/v1/completions", {"prompt": "a"}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})):
             assert client.post(path, json=body).status_code == 200
             p = engine.added[-1][1]
-            assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.6, 0.95, 20, 0.0), path
-        assert client.post("/v1/completions", json={"prompt": "a", "temperature": 0, "top_k": -1}).status_code == 200
+            assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (0.6, 0.95, 20, 0.0, 5), path
+        r = client.post("/v1/completions", json={"prompt": "a", "temperature": 0, "top_k": -1, "max_tokens": 9})
+        assert r.status_code == 200
         p = engine.added[-1][1]
-        assert (p.temperature, p.top_p, p.top_k) == (0.0, 0.95, -1)  # the request's own values win
+        assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.0, 0.95, -1, 9)  # the request's own values win
         r = client.post("/v1/responses", json={"input": "a"})  # a Response repeats the settings it ran with
         assert r.status_code == 200 and (r.json()["temperature"], r.json()["top_p"]) == (0.6, 0.95)
         assert engine.added[-1][1].temperature == 0.6
+        r = client.post("/v1/responses", json={"input": "a", "temperature": 0.3})
+        assert r.status_code == 200 and (r.json()["temperature"], r.json()["top_p"]) == (0.3, 0.95)
+        assert (engine.added[-1][1].temperature, engine.added[-1][1].top_p) == (0.3, 0.95)
     app, engine, _ = make_app(tokenizer)  # no defaults: rtp's (the OpenAI API's) temperature 1.0
     with TestClient(app) as client:
         assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 200

@@ -13,6 +13,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from rtp.sampling import SamplingParams
 from rtp.server.chat_output import ChatOutput
 from rtp.server.responses_api import ResponseWriter
 from rtp.server.responses_protocol import ResponsesRequest
@@ -109,7 +110,7 @@ def test_bad_requests_get_400s_naming_the_field(served):
 
 
 def writer(output: ChatOutput) -> ResponseWriter:
-    return ResponseWriter(ResponsesRequest(input="x"), "resp_1", MODEL, 3, output)
+    return ResponseWriter(ResponsesRequest(input="x"), "resp_1", MODEL, 3, output, SamplingParams())
 
 
 def parse(events: list[str]) -> list[dict]:

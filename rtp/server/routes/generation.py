@@ -51,7 +51,7 @@ class GenerationRoutes:
         if len(req.prompts()) > 1:
             return await batch_completions(ctx, request, req)
         constraint = await ctx.constraint(req.grammar_spec())
-        stream, ids, rid = await ctx.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt", constraint)
+        stream, ids, rid, _ = await ctx.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt", constraint)
         build = ResponseBuilder("text_completion", rid, ctx.model_name, ctx.tokenizer, len(ids), req.logprobs)
         if req.echo:
             prompt = req.prompt_value()
@@ -67,7 +67,7 @@ class GenerationRoutes:
         mode, tool_name = ctx.tool_mode(req)
         text = await ctx.render_chat(req.conversation(), req.tool_dicts(), req.chat_template_kwargs, True)
         constraint = await ctx.constraint(req.tool_grammar() or req.grammar_spec())
-        stream, ids, rid = await ctx.submit(req, text, req.num_logprobs(), "chatcmpl", "messages", constraint)
+        stream, ids, rid, _ = await ctx.submit(req, text, req.num_logprobs(), "chatcmpl", "messages", constraint)
         output = None
         if ctx.server.reasoning_parser is not None or mode != "none":
             output = ChatOutput(reasoning=ctx.server.reasoning_parser is not None, tool_mode=mode,
