@@ -398,7 +398,7 @@ cache:
   cpu_kv_cache_gib: 0.5
 scheduler:
   max_num_seqs: 256
-  max_num_batched_tokens: 2048
+  max_num_batched_tokens: 1024
 liveness:
   timeout_s: 8
   step_timeout_s: 300
