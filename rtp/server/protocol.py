@@ -446,7 +446,8 @@ def resolve_max_tokens(requested: int | None, server: ServerConfig, num_prompt_t
                        max_model_len: int, param: str = "max_tokens", prompt_param: str = "prompt",
                        default: int | None = None) -> int:
     """max_tokens of a request: the requested value (bounded by the server limit) or the default
-    (``default``, the checkpoint's max_new_tokens, else the server's default_max_tokens).
+    (``default``, the checkpoint's max_new_tokens held to the server limit, else the server's
+    default_max_tokens).
 
     The default shrinks to fit the context, so a long prompt without max_tokens
     still gets an answer; an explicit value that does not fit is a 400, as
@@ -457,7 +458,8 @@ def resolve_max_tokens(requested: int | None, server: ServerConfig, num_prompt_t
                             f"at most {max_model_len - 1} prompt tokens are allowed", prompt_param,
                        "context_length_exceeded")
     if requested is None:
-        return min(default or server.default_max_tokens, max_model_len - num_prompt_tokens)
+        default = min(default, server.max_tokens_limit) if default else server.default_max_tokens
+        return min(default, max_model_len - num_prompt_tokens)
     if requested > server.max_tokens_limit:
         raise ApiError(400, f"{param}={requested} is too large: this server allows at most "
                             f"{server.max_tokens_limit}", param)

@@ -218,7 +218,11 @@ def test_the_models_sampling_defaults_fill_only_what_a_request_leaves_unset(toke
     with TestClient(app) as client:
         assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 200
         p = engine.added[-1][1]
-        assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, -1)
+        assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, -1, 12)  # 12: default_max_tokens
+    app, engine, _ = make_app(tokenizer, sampling_defaults={"max_tokens": 100})  # above max_tokens_limit 40
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 200
+        assert engine.added[-1][1].max_tokens == 40  # the checkpoint's default is held to the server's limit
 
 
 def test_chat_applies_template_and_maps_chat_fields(served, tokenizer):
