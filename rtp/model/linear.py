@@ -106,15 +106,18 @@ def cpu_linear_method(device: torch.device, dtype: torch.dtype) -> CpuLinearMeth
 
     bf16 with AVX-512 BF16: rtp's panel GEMM multiplying bf16 pairs (``vdpbf16ps``): on a Zen 4, 12
     layers of Qwen3-0.6B's linears ran 1.1-1.5x oneDNN's rate at 1-8 rows, level at 16-64 and 0.92-0.95x
-    at 256-2048. oneDNN where it is known fast: fp32 on AVX-512 CPUs (the panel GEMM: 1.56x at one
-    row, level at 8-32, 0.94-0.98x at 256-1024), bf16 on AMX. oneDNN also runs bf16 on plain AVX-512,
+    at 256-2048. The same CPUs (AVX-512 BF16 without AMX: Zen 4 and later) run fp32 through the panel
+    GEMM too: on the Zen 4, bench workloads at Qwen3-0.6B dimensions took 0.6-0.8x oneDNN's time for one
+    request of 64 tokens, 0.94x for 8 greedy requests, level for 32 sampled ones. oneDNN where it is
+    known fast: fp32 on other AVX-512 CPUs (on a Xeon the panel GEMM ran 1.56x at one row, level at 8-32,
+    0.94-0.98x at 256-1024), bf16 on AMX. oneDNN also runs bf16 on plain AVX-512,
     emulated: a Qwen3-0.6B decode step there took 2x the fp32 one. Elsewhere rtp's panel GEMM where
     it builds (on AVX2 CPUs it streams decode weights at about twice oneDNN's rate; bf16 weights
     widened in registers read half the bytes), else oneDNN if it runs at all.
     """
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    if dtype == torch.bfloat16 and cpu_gemm.bf16_dot() and "amx_bf16" not in cpu_flags():
+    if cpu_gemm.bf16_dot() and "amx_bf16" not in cpu_flags():
         return "gemm"
     wide = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
     fast = native_bf16() if dtype == torch.bfloat16 else wide

@@ -61,6 +61,7 @@ def test_cpu_linear_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_linear_method(torch.device("meta"), torch.float32) is None
     assert cpu_linear_method(cpu, torch.float16) is None
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(cpu_gemm, "bf16_dot", lambda: False)  # no AVX-512 BF16 on an AVX2 CPU
     monkeypatch.setattr(cpu_gemm, "available", lambda: True)
     assert cpu_linear_method(cpu, torch.float32) == "gemm"  # AVX2: oneDNN's fp32 is slow at decode shapes
     monkeypatch.setattr(cpu_gemm, "available", lambda: False)
@@ -80,8 +81,9 @@ def test_cpu_linear_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear_module, "native_bf16", lambda: True)
     monkeypatch.setattr(linear_module, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert cpu_linear_method(cpu, torch.bfloat16) == "gemm"
-    assert cpu_linear_method(cpu, torch.float32) == "onednn"
+    assert cpu_linear_method(cpu, torch.float32) == "gemm"  # Zen 4: the panel GEMM for fp32 as well
     monkeypatch.setattr(linear_module, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    assert cpu_linear_method(cpu, torch.float32) == "onednn"
     if onednn_packing_supported(cpu, torch.bfloat16):
         assert cpu_linear_method(cpu, torch.bfloat16) == "onednn"
 
