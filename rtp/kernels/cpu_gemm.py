@@ -11,7 +11,8 @@ The weight ``[N, K]`` is re-laid out at load as panels of ``NR`` output columns,
 ``[ceil(N / NR), K, NR]``: NR = 64 on AVX-512 (a register tile of 6 rows x 4 zmm vectors), 16
 elsewhere (6 rows x 2 ymm), one fused multiply-add per weight and row either way. K is cut in
 slices of 256 so that the panel slice stays in L1/L2 while every 6-row tile of the batch reuses it;
-panels are spread over the threads. The tiles also prefetch the next slice of weights from memory.
+panels are spread over the threads. The tiles also prefetch the next slice of weights from memory where
+that measured faster (see PF_MIN_ROWS).
 Prompt steps run in equal blocks of at most 240 rows, so that the rows a panel reads come from L2.
 
 Weights may be float32, bfloat16 or int8 (bf16 and int8 are widened to fp32 in
@@ -78,7 +79,15 @@ static inline vf loadv(const int8_t* p) {
 }
 #endif
 constexpr int64_t NR = NV * VW, MR = 6, KC = 256, MB = 240, MB_PAIRS = 960;
-constexpr int64_t PF_L1_MAX_ROWS = 48;  // up to this many rows the weight prefetch goes to L1, above to L2
+// Software prefetch of the weights (see gemm_impl): none up to PF_MIN_ROWS rows, into L1 up to
+// PF_L1_MAX_ROWS, into L2 above. On an AVX-512 BF16 Zen 4 the hardware prefetcher keeps up with few rows
+// and the software one got in its way: 28 layers of Qwen3-0.6B's fp32 linears at 8 rows ran 1.2-1.4x as
+// fast without it (31-39 against 25-28 GB/s), level at 16; into L2 above 16 rows gained up to 1.07x.
+#if defined(__AVX512BF16__)
+constexpr int64_t PF_MIN_ROWS = 17, PF_L1_MAX_ROWS = 0;
+#else
+constexpr int64_t PF_MIN_ROWS = 0, PF_L1_MAX_ROWS = 48;
+#endif
 
 static inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
@@ -185,19 +194,20 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
       const W* panel = wp + p * K * NR;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        // The weights come from memory, and the hardware prefetcher does not keep ahead of a tile
-        // loop: without help the time is the memory time plus the compute time, not the larger of the
-        // two. So the row tiles prefetch the next K slice (this thread's panels are one contiguous
-        // range), shared out between the tiles: 1.05-1.2x at 8-24 rows on a 28-layer Qwen3-0.6B stack.
-        // Into L1 up to PF_L1_MAX_ROWS rows; above into L2 only, where it still gives 1.1-1.2x at
-        // 64-128 rows.
+        // The weights come from memory, and on an AVX-512 Xeon the hardware prefetcher did not keep
+        // ahead of a tile loop: the time was the memory time plus the compute time, not the larger of
+        // the two. So the row tiles prefetch the next K slice (this thread's panels are one contiguous
+        // range), shared out between the tiles: 1.05-1.2x at 8-24 rows on a 28-layer Qwen3-0.6B stack
+        // there, into L1 up to PF_L1_MAX_ROWS rows, into L2 above (1.1-1.2x at 64-128 rows). Not below
+        // PF_MIN_ROWS rows (see there).
         const int64_t lines = kc * NR * (int64_t)sizeof(W) / 64;
         const int64_t per_tile = (lines + tiles - 1) / tiles;
         const char* ahead = reinterpret_cast<const char*>(panel + k0 * NR + KC * NR);
         const char* stop = reinterpret_cast<const char*>(wp + end * K * NR);
         for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR, ++t) {
           const char* pf = ahead + t * per_tile * 64;
-          const int64_t npf = std::max<int64_t>(0, std::min({per_tile, lines - t * per_tile, (stop - pf) / 64}));
+          const int64_t npf = M < PF_MIN_ROWS ? 0
+                              : std::max<int64_t>(0, std::min({per_tile, lines - t * per_tile, (stop - pf) / 64}));
           const int64_t rows = std::min(MR, M - m0);
           tile_rows(rows, x + m0 * K + k0, K, panel + k0 * NR, kc, acc.data() + m0 * NR, pf, npf, M <= PF_L1_MAX_ROWS);
         }
