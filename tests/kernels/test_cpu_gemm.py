@@ -11,9 +11,10 @@ from rtp.kernels import cpu_gemm
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C++ compiler: the kernel cannot be built")
 
 
-# Up to 48 rows the tiles prefetch the weights; 500 rows: row blocks of 240 + 240 + 20.
+# Rows on both sides of the weight prefetch limits (none up to 16 rows on AVX-512 BF16, into L1 up to 48
+# elsewhere); in_f across K slices (256; pair panels 2048); 500 rows: row blocks of 240 + 240 + 20.
 @pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (6, 64, 256), (7, 33, 300), (13, 100, 513), (40, 48, 1024),
-                                             (49, 130, 2048), (97, 64, 257), (500, 40, 70)])
+                                             (49, 130, 2048), (20, 70, 4101), (97, 64, 257), (500, 40, 70)])
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "bf16 pairs"])
 def test_gemm_matches_float64_linear(rows: int, out_f: int, in_f: int, weights: str) -> None:
     pairs = weights == "bf16 pairs"
