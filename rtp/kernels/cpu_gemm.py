@@ -84,14 +84,15 @@ constexpr int64_t NR = NV * VW, MR = 6, KC = 256, MB = 240, MB_PAIRS = 960;
 // Qwen3-0.6B's bf16 linears ran 1.25x as fast as with slices of 256 at 1-8 rows, 1.1x at 32, 1.05x at
 // 256-960 (fp32 panels measured level there, and keep KC).
 constexpr int64_t KC_PAIRS = 2048;
-// Software prefetch of the weights (see gemm_impl): none up to PF_MIN_ROWS rows, into L1 up to
+// Software prefetch of the weights (see gemm_impl): none below PF_MIN_ROWS rows, into L1 up to
 // PF_L1_MAX_ROWS, into L2 above. On an AVX-512 BF16 Zen 4 the hardware prefetcher keeps up with few rows
 // and the software one got in its way: 28 layers of Qwen3-0.6B's fp32 linears at 8 rows ran 1.2-1.4x as
-// fast without it (31-39 against 25-28 GB/s), level at 16; into L2 above 16 rows gained up to 1.07x.
+// fast without it (31-39 against 25-28 GB/s), level at 16; at 24-32 rows it still gains up to 1.14x.
+constexpr int64_t PF_L1_MAX_ROWS = 48;
 #if defined(__AVX512BF16__)
-constexpr int64_t PF_MIN_ROWS = 17, PF_L1_MAX_ROWS = 0;
+constexpr int64_t PF_MIN_ROWS = 17;
 #else
-constexpr int64_t PF_MIN_ROWS = 0, PF_L1_MAX_ROWS = 48;
+constexpr int64_t PF_MIN_ROWS = 0;
 #endif
 
 static inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
