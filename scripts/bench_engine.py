@@ -99,6 +99,7 @@ class NullRunner:
     def __init__(self, times: StepTimes, block_size: int, num_blocks: int, max_model_len: int, vocab: int) -> None:
         self.times = times
         self.block_size, self.num_blocks, self.max_model_len = block_size, num_blocks, max_model_len
+        self.max_num_batched_tokens = 8192
         self.spec = SimpleNamespace(vocab_size=vocab)
         self.ps = SimpleNamespace(device=torch.device("cpu"))  # what ModelRunner.to_device reads
         self.mirror = BatchMirror(block_size)
@@ -183,7 +184,7 @@ def run_case(model_dir: Path, num_seqs: int, steps: int, warmup: int, prompt_len
     num_blocks = num_seqs * blocks_per_seq + 16
     config = RtpConfig(model=ModelConfig(max_model_len=max_model_len), parallel=ParallelConfig(device="cpu"),
                        cache=CacheConfig(enable_prefix_caching=True),
-                       scheduler=SchedulerConfig(max_num_seqs=max(num_seqs, 1), max_num_batched_tokens=8192))
+                       scheduler=SchedulerConfig(max_num_seqs=max(num_seqs, 1)))
     plain_add, plain_flush = IncrementalDetokenizer.add, IncrementalDetokenizer.flush
     name = make_segment_name("rtpbench_")
     writer = ShmChannel.create(name, num_readers=1, chunk_bytes=config.parallel.shm_chunk_bytes,

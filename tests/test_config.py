@@ -59,8 +59,8 @@ def test_shipped_yaml_loads_and_round_trips(path: Path) -> None:
         else:
             assert value_of(config, key) == value, key
     assert config_from_dict(dataclasses.asdict(config)) == config
-    # A prefill step's token ids and slot mapping (int64 each) fit one ring chunk.
-    assert config.parallel.shm_chunk_bytes >= 16 * config.scheduler.max_num_batched_tokens
+    # A prefill step's token ids and slot mapping (int64 each) fit one ring chunk (null: at most 8192 tokens).
+    assert config.parallel.shm_chunk_bytes >= 16 * (config.scheduler.max_num_batched_tokens or 8192)
     assert config.model.path is None  # users pass --model
 
 
@@ -398,7 +398,7 @@ cache:
   cpu_kv_cache_gib: 0.5
 scheduler:
   max_num_seqs: 256
-  max_num_batched_tokens: 1024
+  max_num_batched_tokens: null
 liveness:
   timeout_s: 8
   step_timeout_s: 300

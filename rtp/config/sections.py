@@ -174,8 +174,10 @@ class SchedulerConfig(Section):
 
     max_num_seqs: int = setting(256, integer(1))
     """Most sequences running at once, >= 1."""
-    max_num_batched_tokens: int = setting(8192, integer(1))
-    """Most query tokens in one step, >= 1; chunked prefill splits longer prompts."""
+    max_num_batched_tokens: int | None = setting(None, integer(1, nullable=True))
+    """Most query tokens in one step, >= 1; chunked prefill splits longer prompts. null: 8192 on GPU; on CPU
+    the largest power of two up to 8192 that keeps a step's largest activation within 32 MiB (at least
+    max_num_seqs): 1024 for Qwen3-0.6B in fp32, 2048 in bf16 (see ``step_token_budget``)."""
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.scheduler.max_num_seqs,
-                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                max_num_batched_tokens=runner.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 block_size=runner.block_size,
                 num_blocks=runner.num_blocks,

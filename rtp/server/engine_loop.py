@@ -115,7 +115,7 @@ class EngineLoop:
             "log_level": cfg.log_level,
             "limits": {"block_size": runner.block_size, "num_blocks": runner.num_blocks,
                        "max_num_seqs": cfg.scheduler.max_num_seqs,
-                       "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+                       "max_num_batched_tokens": runner.max_num_batched_tokens,
                        "enable_prefix_caching": int(cfg.cache.enable_prefix_caching)},
         }
         metrics_dir = new_metrics_dir() if self.accept_on is None else None

@@ -155,7 +155,7 @@ class DraftModelProposer:
         k = spec.num_speculative_tokens
         return cls(Path(spec.model).expanduser(), runner.ps.device, runner.dtype, block_size=runner.block_size,
                    num_blocks=runner.num_blocks, max_batch=drafting_batch(config), k=k,
-                   max_positions=runner.max_model_len + k, max_pass_tokens=config.scheduler.max_num_batched_tokens)
+                   max_positions=runner.max_model_len + k, max_pass_tokens=runner.max_num_batched_tokens)
 
     def num_computed(self, seq_id: int) -> int:
         """Positions of ``seq_id`` whose draft KV the proposer holds (0 for a sequence it does not know)."""

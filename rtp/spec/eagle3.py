@@ -150,7 +150,7 @@ class Eagle3Proposer:
             own = runner.model.model.embed_tokens
             embed = own.weight if runner.ps.tp_size == 1 and own is not None else target_embedding(model_dir)
         return cls(ckpt, runner, embed, k=spec.num_speculative_tokens,
-                   max_batch=drafting_batch(config), max_pass_tokens=config.scheduler.max_num_batched_tokens)
+                   max_batch=drafting_batch(config), max_pass_tokens=runner.max_num_batched_tokens)
 
     def num_computed(self, seq_id: int) -> int:
         """Positions of ``seq_id`` whose head KV the proposer holds (0 for a sequence it does not know)."""

@@ -31,6 +31,7 @@ class ScriptedRunner:
     def __init__(self, script: dict[int, list[int]], num_blocks: int = 64, block_size: int = 4) -> None:
         self.script = script
         self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, 256
+        self.max_num_batched_tokens = 64  # the step budget the engine's scheduler takes from its runner
         self.spec = SimpleNamespace(vocab_size=VOCAB)
         self.mirror = BatchMirror(block_size)
         self.prompt_len: dict[int, int] = {}
@@ -63,8 +64,7 @@ def model_dir():
 
 
 def make_engine(model_dir, script, **kw) -> Engine:
-    config = RtpConfig(parallel=ParallelConfig(device="cpu"),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
+    config = RtpConfig(parallel=ParallelConfig(device="cpu"), scheduler=SchedulerConfig(max_num_seqs=8))
     return Engine(config, ScriptedRunner(script, **kw), model_dir)
 
 
@@ -213,7 +213,7 @@ def test_generation_config_sampling_settings_are_the_defaults_of_requests(model_
     greedy = with_generation_config(model_dir, tmp_path / "greedy", temperature=0.0)
     for folder, mode, argmax in ((greedy, "auto", True), (greedy, "none", False), (model_dir, "auto", False)):
         config = RtpConfig(parallel=ParallelConfig(device="cpu"), model=ModelConfig(generation_config=mode),
-                           scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
+                           scheduler=SchedulerConfig(max_num_seqs=8))
         engine = Engine(config, ScriptedRunner({5: [7, 8, 9]}), folder)
         engine.add_request([5, 6])
         run(engine)
