@@ -13,8 +13,9 @@ once with ``inf``). Printed per server: output tok/s, mean TTFT, mean TPOT (per 
 (last token - first token) / (tokens - 1)), failed requests, and the ratios rtp / vLLM.
 
 vLLM's server is ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_CPU_KVCACHE_SPACE``
-(GiB, ``--vllm-kv-gib``) and ``VLLM_CPU_OMP_THREADS_BIND`` set to this process's allowed cores;
-both servers run in float32 unless ``--dtype`` says otherwise. The machine should be quiet:
+(GiB, ``--kv-gib``; rtp gets a cache of the same size, split over its ranks) and
+``VLLM_CPU_OMP_THREADS_BIND`` set to this process's allowed cores; both servers run in float32 unless
+``--dtype`` says otherwise. The machine should be quiet:
 compare the ratios of one run, not absolute numbers across runs.
 """
 
@@ -110,12 +111,13 @@ class ServerProcess:
             self.proc.wait(30)
 
 
-def start_rtp(model: str, tp: int, dtype: str, port: int, log: Path, extra: list[str],
+def start_rtp(model: str, tp: int, dtype: str, port: int, log: Path, extra: list[str], kv_gib: float,
               api_processes: int | None = None) -> ServerProcess:
-    """rtp's server; ``api_processes`` HTTP frontend processes (None: rtp's default for the core count),
-    each of which gets one core the ranks' threads leave free."""
+    """rtp's server with a KV cache of ``kv_gib`` in all (``kv_gib / tp`` per rank); ``api_processes`` HTTP
+    frontend processes (None: rtp's default for the core count), each of which gets one core the ranks'
+    threads leave free."""
     cmd = [sys.executable, "-m", "rtp.launcher", "serve", model, "--tensor-parallel-size", str(tp), "--dtype", dtype,
-           "--port", str(port), "--log-level", "WARNING", *extra]
+           "--port", str(port), "--log-level", "WARNING", "--cpu-kv-cache-gib", str(kv_gib / tp), *extra]
     if api_processes is not None:
         cmd += ["--api-server-count", str(api_processes)]
     cores = len(os.sched_getaffinity(0)) - (api_processes or 0)
@@ -293,7 +295,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: at once)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
+    ap.add_argument("--kv-gib", "--vllm-kv-gib", dest="kv_gib", type=int, default=2,
+                    help="KV cache of each server in GiB: vLLM's VLLM_CPU_KVCACHE_SPACE, rtp's cpu_kv_cache_gib x TP")
     ap.add_argument("--rtp-arg", action="append", default=[], help="extra flag for rtp serve (repeatable)")
     ap.add_argument("--api-server-count", type=int, default=None,
                     help="rtp's HTTP frontend processes (0: HTTP in rank 0's process; default: rtp's choice)")
@@ -320,14 +323,14 @@ def main() -> int:
     if not args.skip_rtp:
         for tp in (int(t) for t in args.tp.split(",")):
             port = free_port()
-            server = start_rtp(model, tp, args.dtype, port, out_dir / f"rtp_tp{tp}.log", args.rtp_arg,
+            server = start_rtp(model, tp, args.dtype, port, out_dir / f"rtp_tp{tp}.log", args.rtp_arg, args.kv_gib,
                                args.api_server_count)
             results.append(bench_one(f"rtp TP={tp}", server, f"http://127.0.0.1:{port}", model, served, vocab,
                                      args, out_dir))
             print(f"{results[-1]}", flush=True)
     if args.vllm_python:
         port = free_port()
-        server = start_vllm(args.vllm_python, model, args.dtype, port, args.vllm_kv_gib, out_dir / "vllm.log",
+        server = start_vllm(args.vllm_python, model, args.dtype, port, args.kv_gib, out_dir / "vllm.log",
                             args.vllm_arg)
         results.append(bench_one("vLLM", server, f"http://127.0.0.1:{port}", model, served, vocab, args, out_dir))
         print(f"{results[-1]}", flush=True)
