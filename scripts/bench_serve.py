@@ -121,7 +121,10 @@ def start_rtp(model: str, tp: int, dtype: str, port: int, log: Path, extra: list
     if api_processes is not None:
         cmd += ["--api-server-count", str(api_processes)]
     cores = len(os.sched_getaffinity(0)) - (api_processes or 0)
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // tp)))
+    threads = max(1, cores // tp)
+    frontends = "rtp's default number of" if api_processes is None else api_processes
+    print(f"rtp TP={tp}: {threads} compute thread(s) per rank, {frontends} API frontend process(es)", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     return ServerProcess(f"rtp TP={tp}", cmd, env, log)
 
 
