@@ -125,6 +125,14 @@ def metric(url: str, name: str, headers: dict | None = None) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def wait_for_metric(url: str, name: str, value: float, headers: dict | None = None, timeout: float = 10) -> float:
+    """Poll /metrics until ``name`` reads ``value`` or ``timeout`` seconds pass; the last reading."""
+    deadline = time.time() + timeout
+    while (got := metric(url, name, headers)) != value and time.time() < deadline:
+        time.sleep(0.1)
+    return got
+
+
 def offline_reference(tmp: Path, prompts: list[str]) -> list[dict]:
     """rtp's offline path (launch/generate.py, TP=1) on the same prompts, greedy."""
     lines = [{"prompt": p, "temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in prompts]
@@ -213,10 +221,7 @@ def test_client_disconnect_frees_the_kv_cache(server):
         for _ in range(6):  # a few tokens in: the request holds KV blocks now
             next(lines)
         assert metric(server.url, "rtp_kv_cache_usage_ratio") > idle
-    deadline = time.time() + 20
-    while metric(server.url, "rtp_kv_cache_usage_ratio") != idle and time.time() < deadline:
-        time.sleep(0.2)
-    assert metric(server.url, "rtp_kv_cache_usage_ratio") == idle
+    assert wait_for_metric(server.url, "rtp_kv_cache_usage_ratio", idle, timeout=20) == idle
     assert metric(server.url, 'rtp_requests_finished_total{finish_reason="abort"}') == aborted + 1
 
 

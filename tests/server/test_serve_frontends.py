@@ -22,7 +22,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rtp.distributed.liveness import pid_alive
 from rtp.testing import default_model_dir
-from tests.server.test_serve_e2e import Server, kill, launch, metric, read_stream, shm_segments, wait_ready
+from tests.server.test_serve_e2e import (
+    Server,
+    kill,
+    launch,
+    metric,
+    read_stream,
+    shm_segments,
+    wait_for_metric,
+    wait_ready,
+)
 from tests.utils import hf_greedy, with_generation_config
 
 pytestmark = pytest.mark.slow
@@ -114,10 +123,7 @@ def test_a_stop_string_ends_the_request_in_the_engine(server, reference):
     choice = r.json()["choices"][0]
     assert choice["text"] == text[: text.index(stop)] and choice["finish_reason"] == "stop"
     # The engine aborted it at once instead of running on to 1000 tokens.
-    deadline = time.time() + 10
-    while metric(server.url, "rtp_requests_running", AUTH) != 0 and time.time() < deadline:
-        time.sleep(0.1)
-    assert metric(server.url, "rtp_requests_running", AUTH) == 0
+    assert wait_for_metric(server.url, "rtp_requests_running", 0, AUTH) == 0
 
 
 def test_a_grammar_reaches_the_engine(server):
@@ -160,14 +166,8 @@ def test_a_client_disconnect_aborts_in_the_engine(server):
         for _ in range(6):
             next(lines)
         # /metrics may be answered by the other frontend, which gets the engine's stats every 0.5 s only
-        deadline = time.time() + 10
-        while metric(server.url, "rtp_requests_running", AUTH) != 1 and time.time() < deadline:
-            time.sleep(0.05)
-        assert metric(server.url, "rtp_requests_running", AUTH) == 1
-    deadline = time.time() + 10
-    while metric(server.url, "rtp_requests_running", AUTH) != 0 and time.time() < deadline:
-        time.sleep(0.1)
-    assert metric(server.url, "rtp_requests_running", AUTH) == 0
+        assert wait_for_metric(server.url, "rtp_requests_running", 1, AUTH) == 1
+    assert wait_for_metric(server.url, "rtp_requests_running", 0, AUTH) == 0
     assert metric(server.url, "rtp_kv_cache_usage_ratio", AUTH) == 0
 
 
