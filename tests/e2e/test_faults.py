@@ -100,10 +100,15 @@ def segments_of(pid: int) -> list[str]:
 
 @pytest.fixture
 def long_job(tmp_path):
-    """A generation that runs for minutes unless interrupted."""
+    """A generation that runs for minutes unless interrupted.
+
+    1024 requests of 1900 tokens: four waves of cpu.yaml's 256 running sequences, about 1.5 minutes on
+    two cores. Eight such requests took under 2 s once decoding got fast, and the job then ended before
+    the fault it was started for.
+    """
     prompts = tmp_path / "long.jsonl"
     line = {"prompt": "Once upon a time", "max_tokens": 1900, "ignore_eos": True, "temperature": 0.0}
-    prompts.write_text((json.dumps(line) + "\n") * 8)
+    prompts.write_text((json.dumps(line) + "\n") * 1024)
     runs: list[Run] = []
 
     def start(config: Path | None = None, env: dict[str, str] | None = None) -> Run:
