@@ -39,6 +39,7 @@ from types import ModuleType
 import torch
 
 from rtp.kernels.cpu_build import build
+from rtp.kernels.host_memory import in_huge_pages
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -367,7 +368,8 @@ def pack(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
         raise RuntimeError("the CPU GEMM kernel is not available on this machine")
     if pairs is None:
         pairs = weight.dtype == torch.bfloat16 and bool(module.bf16_dot())
-    return module.pack_pairs(weight.detach()) if pairs else module.pack(weight.detach())
+    # Every decode step streams the panels once: in huge pages (see host_memory).
+    return in_huge_pages(module.pack_pairs(weight.detach()) if pairs else module.pack(weight.detach()))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
