@@ -182,9 +182,11 @@ def test_a_killed_replica_under_load_answers_every_client_and_the_server_exits(s
                for i in range(clients)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while sum(bool(r.get("started")) for r in results) < 8:
-        assert time.monotonic() < deadline, "the requests did not start streaming"
+    # Every client streaming before the kill: one still connecting when the server goes down may find its
+    # connection reset (nothing listens any more), which is not what this test is about (late_requests is).
+    deadline = time.monotonic() + 120
+    while sum(bool(r.get("started")) for r in results) < clients:
+        assert time.monotonic() < deadline, f"the requests did not all start streaming: {results}"
         time.sleep(0.05)
     os.kill(pids[1], signal.SIGKILL)  # replica 1's only rank
     t0 = time.monotonic()
