@@ -365,7 +365,7 @@ def test_data_parallel_serving_across_nodes(tmp_path, two_nodes):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.server.test_serve_dp import complete, replica_metric
-    from tests.server.test_serve_e2e import read_stream
+    from tests.server.test_serve_e2e import read_stream, wait_streaming
 
     cfg = config(tmp_path, data_parallel_size=2, cpu_kv_cache_gib=0.25, liveness_timeout_s=LIVENESS_S)
     run = two_nodes("--config", str(cfg), nproc=1, script="launch/serve.py", node0_args=("--port", "0"))
@@ -405,10 +405,7 @@ def test_data_parallel_serving_across_nodes(tmp_path, two_nodes):
                for i in range(clients)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while sum(bool(r.get("started")) for r in results) < clients:
-        assert time.monotonic() < deadline, f"the requests did not start streaming: {results}"
-        time.sleep(0.05)
+    wait_streaming(results, clients, 60, "the requests")
     pids = dict(run.rank_pids)
     assert sorted(pids) == [0], pids
     t0 = time.monotonic()

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rtp.distributed.liveness import pid_alive
 from rtp.testing import default_model_dir
-from tests.server.test_serve_e2e import Server, kill, launch, read_stream, shm_segments, wait_ready
+from tests.server.test_serve_e2e import Server, kill, launch, read_stream, shm_segments, wait_ready, wait_streaming
 from tests.server.test_serve_faults import health_probe, late_requests
 from tests.utils import REPO, hf_greedy, rank_pids
 
@@ -184,10 +184,7 @@ def test_a_killed_replica_under_load_answers_every_client_and_the_server_exits(s
         t.start()
     # Every client streaming before the kill: one still connecting when the server goes down may find its
     # connection reset (nothing listens any more), which is not what this test is about (late_requests is).
-    deadline = time.monotonic() + 120
-    while sum(bool(r.get("started")) for r in results) < clients:
-        assert time.monotonic() < deadline, f"the requests did not all start streaming: {results}"
-        time.sleep(0.05)
+    wait_streaming(results, clients, 120, "every request")
     os.kill(pids[1], signal.SIGKILL)  # replica 1's only rank
     t0 = time.monotonic()
     stop = threading.Event()

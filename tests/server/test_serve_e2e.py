@@ -276,6 +276,15 @@ def read_stream(url: str, body: dict, result: dict, headers: dict | None = None)
         result["error"] = repr(e)
 
 
+def wait_streaming(results: list[dict], n: int, timeout: float, what: str) -> None:
+    """Wait until ``n`` of :func:`read_stream`'s results have started streaming; fail naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while sum(bool(r.get("started")) for r in results) < n:
+        assert time.monotonic() < deadline, f"{what} did not start streaming: {results}"
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(180)
 def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(servers):
     # A server of its own with a long context: 8000 tokens take several times the grace even on a fast

@@ -16,7 +16,7 @@ import pytest
 
 from rtp.distributed.liveness import pid_alive
 from rtp.testing import default_model_dir
-from tests.server.test_serve_e2e import kill, launch, read_stream, shm_segments, wait_ready
+from tests.server.test_serve_e2e import kill, launch, read_stream, shm_segments, wait_ready, wait_streaming
 from tests.utils import rank_pids
 
 pytestmark = pytest.mark.slow
@@ -75,10 +75,7 @@ def test_a_stopped_worker_under_load_fails_every_request_and_the_server_exits(tm
         ]
         for t in clients:
             t.start()
-        deadline = time.monotonic() + 60
-        while sum(bool(r.get("started")) for r in results) < MAX_NUM_SEQS:
-            assert time.monotonic() < deadline, "the running requests did not start streaming"
-            time.sleep(0.05)
+        wait_streaming(results, MAX_NUM_SEQS, 60, "the running requests")
 
         os.kill(pids[1], signal.SIGSTOP)
         t0 = time.monotonic()
