@@ -10,7 +10,7 @@ default model's, oneDNN leads from ~64 rows).
 The weight ``[N, K]`` is re-laid out at load as panels of ``NR`` output columns,
 ``[ceil(N / NR), K, NR]``: NR = 64 on AVX-512 (a register tile of 6 rows x 4 zmm vectors), 16
 elsewhere (6 rows x 2 ymm), one fused multiply-add per weight and row either way. K is cut in
-slices of 256 (bf16 pair panels: 2048) so that the panel slice stays in L1/L2 while every 6-row
+slices of 1024 (bf16 pair panels: 2048) so that the panel slice stays in L2 while every 6-row
 tile of the batch reuses it; panels are spread over the threads. The tiles also prefetch the next
 slice of weights from memory where that measured faster (see PF_MIN_ROWS).
 Prompt steps run in equal blocks of at most 240 rows, so that the rows a panel reads come from L2.
@@ -80,10 +80,14 @@ static inline vf loadv(const int8_t* p) {
   return __builtin_convertvector(v, vf);
 }
 #endif
-constexpr int64_t NR = NV * VW, MR = 6, KC = 256, MB = 240, MB_PAIRS = 960;
+// K slices of KC (fp32 panels: 256 KB of weights on AVX-512, in L2). Against slices of 256 (a slice in
+// L1/L2), on a Zen 4, 28 layers of Qwen3-0.6B's fp32 linears, alternated in one process: 1.0-1.07x at
+// 1-16 rows, 1.01-1.04x at 24-583 (fewer passes of each row tile's sums through memory); the 40M's
+// linears 1.0x at 1-8 rows, 1.01-1.03x at 24-1560; int8 panels 1.0-1.035x; the AVX2 build level (0.98-1.03x).
+constexpr int64_t NR = NV * VW, MR = 6, KC = 1024, MB = 240, MB_PAIRS = 960;
 // Pair panels take K in slices of up to KC_PAIRS (256 KB of weights, in L2): on a Zen 4, 28 layers of
 // Qwen3-0.6B's bf16 linears ran 1.25x as fast as with slices of 256 at 1-8 rows, 1.1x at 32, 1.05x at
-// 256-960 (fp32 panels measured level there, and keep KC).
+// 256-960.
 constexpr int64_t KC_PAIRS = 2048;
 // Software prefetch of the weights (see gemm_impl): none below PF_MIN_ROWS rows, into L1 up to
 // PF_L1_MAX_ROWS, into L2 above. On an AVX-512 BF16 Zen 4 the hardware prefetcher keeps up with few rows
@@ -210,7 +214,7 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
         // PF_MIN_ROWS rows (see there).
         const int64_t lines = kc * NR * (int64_t)sizeof(W) / 64;
         const int64_t per_tile = (lines + tiles - 1) / tiles;
-        const char* ahead = reinterpret_cast<const char*>(panel + k0 * NR + kc_max * NR);
+        const char* ahead = reinterpret_cast<const char*>(panel + (k0 + kc) * NR);
         const char* stop = reinterpret_cast<const char*>(wp + end * K * NR);
         for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR, ++t) {
           const char* pf = ahead + t * per_tile * 64;
