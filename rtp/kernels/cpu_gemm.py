@@ -15,6 +15,10 @@ tile of the batch reuses it; panels are spread over the threads. The tiles also 
 slice of weights from memory where that measured faster (see PF_MIN_ROWS).
 Prompt steps run in equal blocks of at most 240 rows, so that the rows a panel reads come from L2.
 
+A SwiGLU's gate ‖ up weight can be packed with each panel holding NR / 2 gate columns and the same
+up columns (:func:`pack` with ``gate_up``): :func:`silu_mul` then writes ``silu(gate) * up`` from the sums
+in the tile's buffer, and the ``[M, 2I]`` product never goes through memory.
+
 Weights may be float32, bfloat16 or int8 (bf16 and int8 are widened to fp32 in
 registers: half or a quarter of the bytes to stream, fp32 arithmetic, so it also
 serves CPUs without native bf16 or int8 dot products). int8 panels come with a
@@ -39,9 +43,10 @@ from types import ModuleType
 import torch
 
 from rtp.kernels.cpu_build import build
+from rtp.kernels.cpu_simd import SIMD_HEADER
 from rtp.kernels.host_memory import in_huge_pages
 
-_SOURCE = r"""
+_SOURCE = SIMD_HEADER + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -188,11 +193,37 @@ static inline void store_row(at::BFloat16* y, const float* acc, int64_t n) {
   for (; j < n; ++j) y[j] = at::BFloat16(acc[j]);
 }
 
+// y[j] = silu(g[j]) * u[j] for n outputs of one row from the fp32 sums of its gate and up columns, rounded
+// to Y wherever the unfused path (the product stored in Y, then silu_and_mul in Y) rounds: the same numbers.
+static inline v8f round_as(v8f v, const float*) { return v; }
+static inline v8f round_as(v8f v, const at::BFloat16*) {
+  const v8u u = bf16_bits(v);
+  v8f r; std::memcpy(&r, &u, sizeof r); return r;
+}
+template <typename Y>
+static inline void store_silu_mul(Y* y, const float* g, const float* u, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8f gv = round_as(load8(g + j), y);
+    store8(y + j, round_as(gv / (1.f + exp8(-gv)), y) * round_as(load8(u + j), y));
+  }
+  for (; j < n; ++j) {
+    const float gv = static_cast<float>(static_cast<Y>(g[j])), uv = static_cast<float>(static_cast<Y>(u[j]));
+    y[j] = static_cast<Y>(static_cast<float>(static_cast<Y>(gv / (1.f + std::exp(-gv)))) * uv);
+  }
+}
+
+// Panels of a gate ‖ up weight (see pack() in Python, gate_up): panel p holds gate columns p NR/2 .. p NR/2 +
+// NR/2 - 1 in its first half and the same up columns in its second. GLU_SPLIT writes the product in the
+// checkpoint's order ([M, 2I] = gate ‖ up), GLU_SILU_MUL writes silu(gate) * up ([M, I]).
+enum Glu : int64_t { GLU_NONE = 0, GLU_SPLIT = 1, GLU_SILU_MUL = 2 };
+
 template <typename X, typename W, typename Y>
 static void gemm_impl(const X* x, const W* wp, const float* bias, const float* scale, Y* y, int64_t M,
-                      int64_t N, int64_t K) {
+                      int64_t N, int64_t K, Glu glu) {
   // x: [M, K] fp32 (or bf16 with pair panels); wp: [ceil(N / NR), K, NR] (pairs: [.., K / 2, NR, 2], the
-  // same offsets); y: [M, N] fp32 or bf16 = (x wᵀ) * scale + bias (scale: [N] or null), summed in fp32.
+  // same offsets); y: [M, N] fp32 or bf16 = (x wᵀ) * scale + bias (scale: [N] or null), summed in fp32;
+  // gate ‖ up panels (glu): N = 2I, no bias or scale, y as Glu says.
   const int64_t panels = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR;
   const int64_t kc_max = std::is_same_v<X, at::BFloat16> ? KC_PAIRS : KC;  // bf16 rows: pair panels
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -228,7 +259,20 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
         for (int64_t m = 0; m < M; ++m)
           for (int64_t j = 0; j < nc; ++j)
             acc[m * NR + j] = acc[m * NR + j] * scale[n0 + j] + (bias != nullptr ? bias[n0 + j] : 0.f);
-      for (int64_t m = 0; m < M; ++m) store_row(y + m * N + n0, acc.data() + m * NR, nc);
+      if (glu == GLU_NONE) {
+        for (int64_t m = 0; m < M; ++m) store_row(y + m * N + n0, acc.data() + m * NR, nc);
+        continue;
+      }
+      const int64_t h = NR / 2, I = N / 2, g0 = p * h, gc = std::min(h, I - g0);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* a = acc.data() + m * NR;
+        if (glu == GLU_SPLIT) {
+          store_row(y + m * N + g0, a, gc);
+          store_row(y + m * N + I + g0, a + h, gc);
+        } else {
+          store_silu_mul(y + m * I + g0, a, a + h, gc);
+        }
+      }
     }
   });
 }
@@ -263,10 +307,11 @@ torch::Tensor pack(torch::Tensor w) {
 }
 
 torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<torch::Tensor> bias,
-                   c10::optional<torch::Tensor> scale) {
+                   c10::optional<torch::Tensor> scale, int64_t glu_mode) {
   // x: [M, K] (any float dtype; computed in fp32, or in bf16 products with pair panels); wp from pack() or
-  // pack_pairs(); returns [M, N] in x's dtype.
+  // pack_pairs(); returns [M, N] in x's dtype ([M, N / 2] for GLU_SILU_MUL).
   // int8 panels need scale [N] (output column n is multiplied by scale[n]); the others take none.
+  // glu_mode (Glu): wp holds gate ‖ up panels; no bias or scale then.
   const bool pairs = wp.dim() == 4;
   TORCH_CHECK((pairs ? wp.size(2) == NR && wp.size(3) == 2 && wp.scalar_type() == at::kBFloat16
                      : wp.dim() == 3 && wp.size(2) == NR) && wp.size(0) * NR >= N, "gemm: not a packed weight");
@@ -278,6 +323,11 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<t
   const auto wt = wp.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "gemm: fp32, bf16 or int8 weights");
   TORCH_CHECK((wt == at::kChar) == scale.has_value(), "gemm: int8 weights need a scale, other weights take none");
+  TORCH_CHECK(glu_mode >= GLU_NONE && glu_mode <= GLU_SILU_MUL, "gemm: glu_mode must be 0, 1 or 2");
+  const Glu glu = static_cast<Glu>(glu_mode);
+  TORCH_CHECK(glu == GLU_NONE || (N % 2 == 0 && !bias.has_value() && wt != at::kChar &&
+                                  wp.size(0) == (N / 2 + NR / 2 - 1) / (NR / 2)),
+              "gemm: gate ‖ up panels need an even N (their count), fp32 or bf16 weights and no bias");
   torch::Tensor sc;
   if (scale.has_value()) {
     sc = scale->to(at::kFloat).contiguous();
@@ -292,7 +342,8 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<t
   // The output is written in x's dtype where that is fp32 or bf16 (an fp32 [M, N] and a conversion pass
   // cost a prompt step's largest matmuls 0.76x -> 0.9x of oneDNN's rate at 2048 rows).
   const bool bf16_out = out_dtype == at::kBFloat16;
-  auto y = torch::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  const int64_t ldy = glu == GLU_SILU_MUL ? N / 2 : N;
+  auto y = torch::empty({M, ldy}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   torch::Tensor b;
   if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
   {
@@ -311,20 +362,20 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<t
     auto run = [&](auto* y0) {
       for (int64_t m0 = 0; m0 < M; m0 += step) {
         const int64_t mb = std::min(step, M - m0);
-        auto* yb = y0 + m0 * N;
+        auto* yb = y0 + m0 * ldy;
 #ifdef RTP_BF16_DOT
         if (pairs) {
-          gemm_impl(xf.data_ptr<at::BFloat16>() + m0 * K, wp.data_ptr<at::BFloat16>(), bp, nullptr, yb, mb, N, K);
+          gemm_impl(xf.data_ptr<at::BFloat16>() + m0 * K, wp.data_ptr<at::BFloat16>(), bp, nullptr, yb, mb, N, K, glu);
           continue;
         }
 #endif
         const float* xb = xf.data_ptr<float>() + m0 * K;
         if (wt == at::kFloat)
-          gemm_impl(xb, wp.data_ptr<float>(), bp, nullptr, yb, mb, N, K);
+          gemm_impl(xb, wp.data_ptr<float>(), bp, nullptr, yb, mb, N, K, glu);
         else if (wt == at::kBFloat16)
-          gemm_impl(xb, wp.data_ptr<at::BFloat16>(), bp, nullptr, yb, mb, N, K);
+          gemm_impl(xb, wp.data_ptr<at::BFloat16>(), bp, nullptr, yb, mb, N, K, glu);
         else
-          gemm_impl(xb, wp.data_ptr<int8_t>(), bp, sp, yb, mb, N, K);
+          gemm_impl(xb, wp.data_ptr<int8_t>(), bp, sp, yb, mb, N, K, glu);
       }
     };
     if (bf16_out) run(y.data_ptr<at::BFloat16>());
@@ -362,26 +413,57 @@ def bf16_dot() -> bool:
     return module is not None and bool(module.bf16_dot())
 
 
-def pack(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
+def pack(weight: torch.Tensor, pairs: bool | None = None, gate_up: bool = False) -> torch.Tensor:
     """``weight [N, K]`` (fp32, bf16 or int8) as panels ``[ceil(N / NR), K, NR]`` for :func:`linear`
     (NR = :func:`panel_width`), or for bf16 as pair panels ``[ceil(N / NR), ceil(K / 2), NR, 2]``,
     which :func:`linear` multiplies in bf16 (the rows rounded to bf16, products summed in fp32).
-    ``pairs`` defaults to bf16 weights where :func:`bf16_dot`."""
+    ``pairs`` defaults to bf16 weights where :func:`bf16_dot`.
+
+    ``gate_up``: the rows are a SwiGLU's gate ‖ up (two halves of I, fp32 or bf16). Each panel then holds
+    NR / 2 gate columns and the same NR / 2 up columns (``ceil(I / (NR / 2))`` panels), so that
+    :func:`silu_mul` finishes ``silu(gate) * up`` on the sums in registers; :func:`linear` with
+    ``gate_up=True`` returns the plain product.
+    """
     module = load()
     if module is None:
         raise RuntimeError("the CPU GEMM kernel is not available on this machine")
     if pairs is None:
         pairs = weight.dtype == torch.bfloat16 and bool(module.bf16_dot())
+    weight = weight.detach()
+    if gate_up:
+        if weight.shape[0] % 2 or weight.dtype == torch.int8:
+            raise ValueError(f"gate_up panels need fp32 or bf16 rows of two equal halves, got {tuple(weight.shape)} "
+                             f"{weight.dtype}")
+        half, n = weight.shape[0] // 2, int(module.panel_width()) // 2
+        panels = -(-half // n)
+        pad = (0, 0, 0, panels * n - half)  # zero columns past I in the last panel, in both halves
+        gate = torch.nn.functional.pad(weight[:half], pad).view(panels, n, -1)
+        up = torch.nn.functional.pad(weight[half:], pad).view(panels, n, -1)
+        weight = torch.cat([gate, up], dim=1).view(2 * panels * n, -1)
     # Every decode step streams the panels once: in huge pages (see host_memory).
-    return in_huge_pages(module.pack_pairs(weight.detach()) if pairs else module.pack(weight.detach()))
+    return in_huge_pages(module.pack_pairs(weight) if pairs else module.pack(weight))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [M, K]`` from ``packed = pack(weight)``; ``out_features`` = N.
+           scale: torch.Tensor | None = None, gate_up: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [M, K]`` from ``packed = pack(weight, gate_up=gate_up)``;
+    ``out_features`` = N.
 
     int8 panels need ``scale [N]``: the result is ``F.linear(x, q * scale[:, None], bias)``.
     """
     module = load()
     assert module is not None, "pack() succeeded, so the kernel is loaded"
-    return module.gemm(x, packed, out_features, bias, scale)
+    return module.gemm(x, packed, out_features, bias, scale, _GLU_SPLIT if gate_up else _GLU_NONE)
+
+
+def silu_mul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``silu(gate) * up`` of ``F.linear(x, weight)`` = gate ‖ up, from ``packed = pack(weight, gate_up=True)``;
+    ``out_features`` = 2I, returns ``[M, I]``. The same numbers as :func:`linear` then
+    :func:`rtp.kernels.cpu_ops.silu_and_mul` (the rounding to x's dtype included), without writing and
+    re-reading the ``[M, 2I]`` product."""
+    module = load()
+    assert module is not None, "pack() succeeded, so the kernel is loaded"
+    return module.gemm(x, packed, out_features, None, None, _GLU_SILU_MUL)
+
+
+_GLU_NONE, _GLU_SPLIT, _GLU_SILU_MUL = 0, 1, 2  # the kernel's Glu modes

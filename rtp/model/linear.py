@@ -37,6 +37,7 @@ from rtp.errors import CheckpointError, ModelShapeError
 from rtp.kernels import cpu_gemm
 from rtp.kernels.cpu_features import cpu_flags, native_bf16
 from rtp.log import get_logger
+from rtp.model.ops import SiluAndMul
 
 logger = get_logger(__name__)
 
@@ -157,6 +158,11 @@ class LinearMethod:
         """``x [T, in_local] -> [T, out_local]``."""
         raise NotImplementedError
 
+    def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a gate ‖ up layer's product (:class:`GateUpParallelLinear`): ``[T, out_local / 2]``.
+        A method that can finish it on the product's sums in one call overrides this."""
+        return SiluAndMul()(self.apply(layer, x, getattr(layer, "bias", None)))
+
 
 class PlainLinearMethod(LinearMethod):
     """One dense ``weight [out, in]`` in the model's dtype, as the checkpoint stores it; ``F.linear``."""
@@ -177,12 +183,13 @@ class _PackedLinearMethod(PlainLinearMethod):
 
     name: CpuLinearMethod
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack(self, layer: LinearBase) -> torch.Tensor:
+        """``layer.weight`` re-laid out for :meth:`apply`."""
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: LinearBase, keep_plain: bool = False) -> None:
         layer.out_features = layer.weight.shape[0]
-        layer.packed = self.pack(layer.weight)
+        layer.packed = self.pack(layer)
         layer.packed_method = self.name
         if not keep_plain:
             layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
@@ -194,23 +201,32 @@ class OneDNNPackedLinearMethod(_PackedLinearMethod):
 
     name = "onednn"
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return pack_weight(weight)
+    def pack(self, layer: LinearBase) -> torch.Tensor:
+        return pack_weight(layer.weight)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")  # as packed_linear
 
 
 class CpuGemmLinearMethod(_PackedLinearMethod):
-    """16-column panels for rtp's C++ GEMM (:mod:`rtp.kernels.cpu_gemm`). Only where it builds."""
+    """Column panels for rtp's C++ GEMM (:mod:`rtp.kernels.cpu_gemm`). Only where it builds.
+
+    A gate ‖ up layer's panels pair each gate column with its up column, so that ``silu(gate) * up`` is
+    finished on the sums (:func:`rtp.kernels.cpu_gemm.silu_mul`): the ``[T, 2I]`` product is never written
+    and read back. 40M benchmark workload on a Zen 4: gate ‖ up + SiLU-and-mul in its prompt steps 413 -> 373
+    ms, ``generate()`` 1.01-1.06x (three alternated pairs); Qwen3-0.6B dims level within the host's noise."""
 
     name = "gemm"
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.pack(weight)
+    def pack(self, layer: LinearBase) -> torch.Tensor:
+        return cpu_gemm.pack(layer.weight, gate_up=layer.gate_up)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_gemm.linear(x, layer.packed, layer.out_features, bias)  # type: ignore[arg-type]  # packed
+        return cpu_gemm.linear(x, layer.packed, layer.out_features, bias,  # type: ignore[arg-type]  # packed
+                               gate_up=layer.gate_up)
+
+    def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.silu_mul(x, layer.packed, layer.out_features)  # type: ignore[arg-type]  # packed
 
 
 PLAIN = PlainLinearMethod()
@@ -230,6 +246,7 @@ class LinearBase(nn.Module):
     packed: torch.Tensor | None = None  # set by the packed methods
     packed_method: CpuLinearMethod | None = None  # which one packed it
     out_features: int = 0  # rows of the weight, kept by the packed methods (the plain copy is dropped)
+    gate_up = False  # whether the rows are a SwiGLU's gate ‖ up (GateUpParallelLinear)
     method: LinearMethod = PLAIN
     compute_dtype: torch.dtype = torch.float32  # set by a method that builds the weight after loading
     int8_weight: torch.Tensor | None = None  # [out, in] int8 and [out] scales: rtp.model.quant.int8
@@ -312,6 +329,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.local_sizes[:shard_id])
         start = self.ps.tp_rank * size
         _copy(param.data[offset : offset + size], source[start : start + size])
+
+
+class GateUpParallelLinear(MergedColumnParallelLinear):
+    """A SwiGLU feed-forward's gate ‖ up projection (``intermediate`` columns each, split over the ranks);
+    :meth:`silu_mul` is the activated ``[T, intermediate / tp]`` the down projection reads."""
+
+    gate_up = True
+
+    def __init__(self, in_features: int, intermediate: int, ps: ParallelState, method: LinearMethod = PLAIN) -> None:
+        super().__init__(in_features, [intermediate] * 2, ps, method)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x W_gateᵀ) * (x W_upᵀ)``, in one call where the layer's method fuses it."""
+        return self.method.apply_silu_mul(self, x)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

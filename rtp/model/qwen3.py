@@ -16,15 +16,15 @@ from rtp.model.attention import AttnMetadata, PagedAttention
 from rtp.model.embedding import ParallelLMHead, VocabParallelEmbedding
 from rtp.model.linear import (
     PLAIN,
+    GateUpParallelLinear,
     LinearBase,
     LinearMethod,
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     divide,
 )
 from rtp.model.moe import FusedMoE
-from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, qk_norm_rope, rope_inv_freq
+from rtp.model.ops import RMSNorm, RotaryEmbedding, qk_norm_rope, rope_inv_freq
 from rtp.model.quant import QuantFormat, QuantLinearMethod
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -119,12 +119,11 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     def __init__(self, spec: Qwen3Spec, ps: ParallelState, method: LinearMethod = PLAIN) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2, ps, method)
-        self.act = SiluAndMul()
+        self.gate_up_proj = GateUpParallelLinear(spec.hidden_size, spec.intermediate_size, ps, method)
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, ps, method=method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class Qwen3DecoderLayer(nn.Module):

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rtp.kernels import cpu_gemm
+from rtp.kernels import cpu_gemm, cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C++ compiler: the kernel cannot be built")
 
 
 # Rows on both sides of the weight prefetch limits (none up to 16 rows on AVX-512 BF16, into L1 up to 48
-# elsewhere); in_f across K slices (256; pair panels 2048); 500 rows: row blocks of 240 + 240 + 20.
+# elsewhere); in_f across K slices (1024; pair panels 2048); 500 rows: row blocks of 240 + 240 + 20.
 @pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (6, 64, 256), (7, 33, 300), (13, 100, 513), (40, 48, 1024),
                                              (49, 130, 2048), (20, 70, 4101), (97, 64, 257), (500, 40, 70)])
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "bf16 pairs"])
@@ -38,6 +38,36 @@ def test_gemm_matches_float64_linear(rows: int, out_f: int, in_f: int, weights: 
         assert got.shape == (rows, out_f) and got.dtype == torch.float32
         # fp32 accumulation over in_f terms of size ~1: error ~ sqrt(in_f) * 6e-8 * |terms|
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * in_f**0.5 * 4)
+
+
+@pytest.mark.parametrize("rows,inter,in_f", [(1, 40, 64), (7, 96, 300), (250, 33, 1030)])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "bf16 pairs"])
+def test_gate_up_panels_give_the_plain_product_and_silu_mul(rows: int, inter: int, in_f: int, weights: str) -> None:
+    """Gate ‖ up panels (each panel half gate, half the same up columns; intermediate sizes off the half-panel
+    width, row blocks, K slices): the plain product equals the ordinary panels' bit for bit, and silu_mul is
+    silu_and_mul of that product (fp32 rows and, with bf16 weights, bf16 rows rounded where it rounds)."""
+    pairs = weights == "bf16 pairs"
+    if pairs and not cpu_gemm.bf16_dot():
+        pytest.skip("no AVX-512 BF16: no pair panels")
+    gen = torch.Generator().manual_seed(rows + inter)
+    weight_dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    w = torch.randn(2 * inter, in_f, generator=gen).div(in_f**0.5).to(weight_dtype)
+    plain, fused = cpu_gemm.pack(w, pairs=pairs), cpu_gemm.pack(w, pairs=pairs, gate_up=True)
+    assert fused.shape[0] == -(-inter // (cpu_gemm.panel_width() // 2))
+    for x_dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, in_f, generator=gen).to(x_dtype)
+        product = cpu_gemm.linear(x, plain, 2 * inter)
+        assert torch.equal(cpu_gemm.linear(x, fused, 2 * inter, gate_up=True), product)
+        got = cpu_gemm.silu_mul(x, fused, 2 * inter)
+        assert got.shape == (rows, inter) and got.dtype == x_dtype
+        ulp = 2e-6 if x_dtype == torch.float32 else 2.0**-7  # the two builds may contract exp's polynomial differently
+        torch.testing.assert_close(got, cpu_ops.silu_and_mul(product), rtol=ulp, atol=ulp)
+        gate, up = product.double().chunk(2, dim=-1)
+        torch.testing.assert_close(got.double(), F.silu(gate) * up, rtol=4 * ulp, atol=4 * ulp)
+    with pytest.raises(ValueError, match="two equal halves"):
+        cpu_gemm.pack(w[1:], gate_up=True)
+    with pytest.raises(RuntimeError, match="no bias"):
+        cpu_gemm.linear(x, fused, 2 * inter, torch.zeros(2 * inter), gate_up=True)
 
 
 @pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (8, 100, 513), (13, 48, 1024), (60, 70, 96), (500, 40, 70)])

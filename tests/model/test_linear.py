@@ -1,4 +1,5 @@
-"""oneDNN-packed linears equal F.linear, and packing keeps exactly the weights other modules read."""
+"""Packed linears equal F.linear (a SwiGLU gate ‖ up fused with its activation too), and packing keeps exactly
+the weights other modules read."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rtp.kernels import cpu_gemm
 from rtp.model import linear as linear_module
 from rtp.model.linear import (
     ColumnParallelLinear,
+    GateUpParallelLinear,
     RowParallelLinear,
     cpu_linear_method,
     onednn_packing_supported,
@@ -18,6 +20,7 @@ from rtp.model.linear import (
     pack_weight,
     packed_linear,
 )
+from rtp.model.ops import SiluAndMul
 
 pytestmark = pytest.mark.skipif(
     not onednn_packing_supported(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
@@ -54,6 +57,32 @@ def test_layers_give_the_same_output_after_packing(method: str) -> None:
     assert col.packed is not None and col.weight.numel() == 0  # the plain copy is dropped
     assert col.packed_method == method
     torch.testing.assert_close(row(col(x)), before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["onednn", "gemm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_silu_mul_is_silu_and_mul_of_the_product(method: str, dtype: torch.dtype) -> None:
+    """A SwiGLU's gate ‖ up layer gives the activated product before packing, and after: fused into the panel
+    GEMM (gate ‖ up panels), or the product then silu_and_mul (oneDNN); its plain product is unchanged."""
+    if method == "gemm" and not cpu_gemm.available():
+        pytest.skip("no C++ compiler: the CPU GEMM cannot be built")
+    if method == "onednn" and not onednn_packing_supported(torch.device("cpu"), dtype):
+        pytest.skip("oneDNN cannot pack this dtype here")
+    torch.manual_seed(0)
+    layer = GateUpParallelLinear(48, 40, ParallelState.single())
+    layer.weight.data = torch.randn(80, 48).div(48**0.5).to(dtype)
+    x = torch.randn(9, 48).to(dtype)
+    product = layer(x)
+    ref = SiluAndMul.reference(product.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(layer.silu_mul(x).double(), ref, rtol=tol, atol=tol)
+    pack_linear_weights(layer, method)  # type: ignore[arg-type]
+    torch.testing.assert_close(layer(x), product, rtol=tol, atol=tol)
+    got = layer.silu_mul(x)
+    assert got.shape == (9, 40) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+    if method == "gemm":  # the fused epilogue: the same numbers as the product then silu_and_mul
+        torch.testing.assert_close(got, SiluAndMul()(layer(x)), rtol=2e-6, atol=2e-6)
 
 
 def test_cpu_linear_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
