@@ -194,7 +194,8 @@ static inline void store_row(at::BFloat16* y, const float* acc, int64_t n) {
 }
 
 // y[j] = silu(g[j]) * u[j] for n outputs of one row from the fp32 sums of its gate and up columns, rounded
-// to Y wherever the unfused path (the product stored in Y, then silu_and_mul in Y) rounds: the same numbers.
+// to Y wherever the unfused path (the product stored in Y, then silu_and_mul in Y) rounds: the same steps
+// (exp8's polynomial may be contracted into FMAs differently in the two builds: a last-bit difference).
 static inline v8f round_as(v8f v, const float*) { return v; }
 static inline v8f round_as(v8f v, const at::BFloat16*) {
   const v8u u = bf16_bits(v);
@@ -458,9 +459,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 
 def silu_mul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``silu(gate) * up`` of ``F.linear(x, weight)`` = gate ‖ up, from ``packed = pack(weight, gate_up=True)``;
-    ``out_features`` = 2I, returns ``[M, I]``. The same numbers as :func:`linear` then
-    :func:`rtp.kernels.cpu_ops.silu_and_mul` (the rounding to x's dtype included), without writing and
-    re-reading the ``[M, 2I]`` product."""
+    ``out_features`` = 2I, returns ``[M, I]``. The same steps as :func:`linear` then
+    :func:`rtp.kernels.cpu_ops.silu_and_mul`, the roundings to x's dtype included (equal up to a last bit
+    of the exponential), without writing and re-reading the ``[M, 2I]`` product."""
     module = load()
     assert module is not None, "pack() succeeded, so the kernel is loaded"
     return module.gemm(x, packed, out_features, None, None, _GLU_SILU_MUL)
