@@ -445,6 +445,9 @@ def pack(weight: torch.Tensor, pairs: bool | None = None, gate_up: bool = False)
     return in_huge_pages(module.pack_pairs(weight) if pairs else module.pack(weight))
 
 
+_GLU_NONE, _GLU_SPLIT, _GLU_SILU_MUL = 0, 1, 2  # the kernel's Glu modes
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, gate_up: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M, K]`` from ``packed = pack(weight, gate_up=gate_up)``;
@@ -466,5 +469,3 @@ def silu_mul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.
     assert module is not None, "pack() succeeded, so the kernel is loaded"
     return module.gemm(x, packed, out_features, None, None, _GLU_SILU_MUL)
 
-
-_GLU_NONE, _GLU_SPLIT, _GLU_SILU_MUL = 0, 1, 2  # the kernel's Glu modes

@@ -37,7 +37,7 @@ from rtp.errors import CheckpointError, ModelShapeError
 from rtp.kernels import cpu_gemm
 from rtp.kernels.cpu_features import cpu_flags, native_bf16
 from rtp.log import get_logger
-from rtp.model.ops import SiluAndMul
+from rtp.model.ops import silu_and_mul
 
 logger = get_logger(__name__)
 
@@ -161,7 +161,7 @@ class LinearMethod:
     def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a gate ‖ up layer's product (:class:`GateUpParallelLinear`): ``[T, out_local / 2]``.
         A method that can finish it on the product's sums in one call overrides this."""
-        return SiluAndMul()(self.apply(layer, x, getattr(layer, "bias", None)))
+        return silu_and_mul(self.apply(layer, x, getattr(layer, "bias", None)))
 
 
 class PlainLinearMethod(LinearMethod):

@@ -43,13 +43,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` where ``x`` is ``[..., 2 * d]`` = gate ‖ up: the C++ kernel on CPU, else torch."""
+    if _on_cpu(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return cpu_ops.silu_and_mul(x)
+    return SiluAndMul.reference(x)
+
+
 class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` where the input is ``[..., 2 * d]`` = gate ‖ up."""
+    """``silu(gate) * up`` where the input is ``[..., 2 * d]`` = gate ‖ up (:func:`silu_and_mul`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _on_cpu(x) and x.dim() == 2 and x.stride(-1) == 1:
-            return cpu_ops.silu_and_mul(x)
-        return self.reference(x)
+        return silu_and_mul(x)
 
     @staticmethod
     def reference(x: torch.Tensor) -> torch.Tensor:
