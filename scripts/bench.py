@@ -39,8 +39,12 @@ greedy outputs equal rtp's, the machine line (threads, measured GEMM GFLOP/s in
 the run's dtype and read bandwidth) and the roofline floor: prefill FLOPs at the
 measured GEMM rate plus, for each decode step, the larger of weight bytes /
 bandwidth and the step's FLOPs / GEMM rate (what the hardware allows at best),
-with each engine's generate() as a multiple of it. Absolute times on a shared
-machine mean little: compare the ratios of one run.
+with each engine's generate() as a multiple of it. The read bandwidth of a shared host
+drifts (this project's 2-core VM reads 26-61 GB/s from one minute to the next), so each
+child also measures it just before and just after its timed batch, and each engine's
+``/ floor`` is given at the lower and at the higher of its own two readings (the second,
+the stricter, alone where they agree). Absolute times on a shared machine mean little:
+compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -115,9 +119,12 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
     rtp.generate(warm, [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * len(warm),
                  use_tqdm=False)  # warm-up
     before = rt.engine.stats()
+    probe = args.device == "cpu"  # the floor's read bandwidth, just before and after the timed batch
+    gbs = [read_bandwidth(args.threads)] if probe else []
     t0 = time.perf_counter()
     outs = rtp.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
+    gbs += [read_bandwidth(args.threads)] if probe else []
     after = rt.engine.stats()
     t0 = time.perf_counter()
     rtp.generate(prompts, rtp.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
@@ -125,7 +132,7 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
     rtp.shutdown()
     spec_stats = {k: after[k] - before.get(k, 0) for k in after if k.startswith("spec_")}
     return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=max(n for _, n in reqs) - 1,
-                outputs=[list(o.token_ids) for o in outs], spec=spec_stats)
+                outputs=[list(o.token_ids) for o in outs], spec=spec_stats, read_gbs=gbs)
 
 
 def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
@@ -159,14 +166,16 @@ def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dic
         return outs
 
     run(reqs[:2], 2)  # warm-up
+    gbs = [read_bandwidth(args.threads)] if dev.type == "cpu" else []
     t0 = time.perf_counter()
     outs = run(reqs, None)
     gen_s = time.perf_counter() - t0
+    gbs += [read_bandwidth(args.threads)] if dev.type == "cpu" else []
     t0 = time.perf_counter()
     run(reqs, 1)
     prefill_s = time.perf_counter() - t0
     steps = sum(max(n for _, n in reqs[i : i + args.hf_batch]) - 1 for i in range(0, len(reqs), args.hf_batch))
-    return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=steps, outputs=outs)
+    return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=steps, outputs=outs, read_gbs=gbs)
 
 
 def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
@@ -181,15 +190,17 @@ def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> d
     warm = prompts[:2]
     llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)] * len(warm),
                  use_tqdm=False)
+    gbs = [read_bandwidth(args.threads)]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
+    gbs.append(read_bandwidth(args.threads))
     t0 = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False),
                  use_tqdm=False)
     prefill_s = time.perf_counter() - t0
     return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=max(n for _, n in reqs) - 1,
-                outputs=[list(o.outputs[0].token_ids) for o in outs])
+                outputs=[list(o.outputs[0].token_ids) for o in outs], read_gbs=gbs)
 
 
 CHILDREN = {"rtp": child_rtp, "hf": child_hf, "vllm": child_vllm}
@@ -231,6 +242,20 @@ def _best_rate(fn, work: float, trials: int = 3, reps: int = 20) -> float:
     return best
 
 
+def read_bandwidth(threads: int) -> float:
+    """The host's read bandwidth now, in GB/s: the best of three timings of summing 256 MiB of fp32 on
+    ``threads`` threads (torch's own thread count is restored after)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        big = torch.ones(64 * 2**20)  # 256 MiB
+        return _best_rate(big.sum, big.numel() * 4 / 1e9, reps=5)
+    finally:
+        torch.set_num_threads(old)
+
+
 def machine_line(threads: int, device: str, dtype_name: str = "float32") -> tuple[str, float, float]:
     """Threads, measured GEMM GFLOP/s with weights in ``dtype_name`` and read bandwidth in GB/s.
 
@@ -257,8 +282,7 @@ def machine_line(threads: int, device: str, dtype_name: str = "float32") -> tupl
         fns["rtp GEMM"] = lambda: cpu_gemm.linear(x, panels, w.shape[0])
     rates = {name: _best_rate(fn, 2 * 256 * 1024 * 1024 / 1e9) for name, fn in fns.items()}
     best = max(rates, key=rates.__getitem__)
-    big = torch.ones(64 * 2**20)  # 256 MiB
-    gbs = _best_rate(big.sum, big.numel() * 4 / 1e9, reps=5)
+    gbs = read_bandwidth(threads)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dtype_name]
     line = f"{threads} threads, {short}-weight GEMM {rates[best]:.0f} GFLOP/s ({best}), read {gbs:.0f} GB/s"
     return line, rates[best], gbs
@@ -388,7 +412,7 @@ def main() -> None:
     base_env = {**os.environ, "RTP_BENCH_WORKLOAD": json.dumps(reqs), "PYTHONPATH": str(ROOT)}
     me = [str(Path(__file__).resolve()), "--model", args.model, "--device", args.device,
           "--hf-batch", str(args.hf_batch), "--dtype", args.dtype, "--temperature", str(args.temperature),
-          "--top-p", str(args.top_p)]
+          "--top-p", str(args.top_p), "--threads", str(args.threads)]
     if args.speculative_config:
         me += ["--speculative-config", args.speculative_config]
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: args.threads])
@@ -419,6 +443,7 @@ def main() -> None:
             runs.append((name, [args.vllm_python, *me, "--vllm-mode", mode, "--engine", "vllm"], venv_env))
 
     line, gflops, gbs = machine_line(args.threads, args.device, args.dtype)
+    bytes_per_param = 2 if args.dtype == "bfloat16" else 4
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     rounds: dict[str, list[dict]] = {}
@@ -429,6 +454,9 @@ def main() -> None:
             res = run_child(name, cmd, env, timeout=1800)
             if res is not None:
                 res["decode_ms"] = (res["generate_s"] - res["prefill_s"]) / max(1, res["decode_steps"]) * 1e3
+                if gbs and res.get("read_gbs"):  # the floor at the bandwidth of this engine's own minutes
+                    for key, read in (("over_floor", max(res["read_gbs"])), ("over_floor_lo", min(res["read_gbs"]))):
+                        res[key] = res["generate_s"] / roofline_floor(args.model, reqs, bytes_per_param, gflops, read)
                 rounds.setdefault(name, []).append(res)
     results = {name: median_result(rs) for name, rs in rounds.items()}
 
@@ -442,14 +470,20 @@ def main() -> None:
           f"{f', top_p {args.top_p}' if args.temperature and args.top_p < 1 else ''}, EOS ignored")
     floor = 0.0
     if gbs:
-        floor = roofline_floor(args.model, reqs, 2 if args.dtype == "bfloat16" else 4, gflops, gbs)
-        print(f"roofline floor of generate(): {floor:.2f} s (prefill FLOPs at {gflops:.0f} GFLOP/s, each decode step "
-              f"max(weight bytes / {gbs:.0f} GB/s, FLOPs / GEMM rate))")
-    print(f"{'engine':<14} {'process s':>10} {'generate s':>11} {'/ floor':>8} {'prefill tok/s':>14} "
-          f"{'decode ms/step':>15}")
+        floor = roofline_floor(args.model, reqs, bytes_per_param, gflops, gbs)
+        print(f"roofline floor of generate(): {floor:.2f} s at the start's {gbs:.0f} GB/s (prefill FLOPs at "
+              f"{gflops:.0f} GFLOP/s, each decode step max(weight bytes / read bandwidth, FLOPs / GEMM rate));\n"
+              f"each engine's '/ floor' is its generate() over the floor at the lower, then the higher, of the read "
+              f"bandwidths measured just before and after its timed batch")
+    print(f"{'engine':<14} {'process s':>10} {'generate s':>11} {'/ floor':>10} {'read GB/s':>10} "
+          f"{'prefill tok/s':>14} {'decode ms/step':>15}")
     for name, r in results.items():
-        over = f"{r['generate_s'] / floor:.2f}" if floor else "-"
-        print(f"{name:<14} {r['process_s']:>10.2f} {r['generate_s']:>11.2f} {over:>8} "
+        read = [g for run in rounds[name] for g in run.get("read_gbs", [])]
+        over = (f"{r['over_floor']:.2f}" if "over_floor" in r else f"{r['generate_s'] / floor:.2f}" if floor else "-")
+        if "over_floor_lo" in r and f"{r['over_floor_lo']:.2f}" != over:
+            over = f"{r['over_floor_lo']:.2f}-{over}"  # the floor at the lower reading, then at the higher
+        span = f"{min(read):.0f}-{max(read):.0f}" if read else "-"
+        print(f"{name:<14} {r['process_s']:>10.2f} {r['generate_s']:>11.2f} {over:>10} {span:>10} "
               f"{prompt_tokens / r['prefill_s']:>14.0f} {r['decode_ms']:>15.2f}")
     for name, r in results.items():
         spec = r.get("spec") or {}
@@ -484,8 +518,9 @@ def median_result(runs: list[dict]) -> dict:
     """One engine's rounds as one result: the median of each time; the outputs and counters of the first round
     (greedy outputs are the same in every round)."""
     out = dict(runs[0])
-    for key in RATIO_KEYS:
-        out[key] = statistics.median(r[key] for r in runs)
+    for key in (*RATIO_KEYS, "over_floor", "over_floor_lo"):
+        if all(key in r for r in runs):
+            out[key] = statistics.median(r[key] for r in runs)
     return out
 
 
