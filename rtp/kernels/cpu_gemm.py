@@ -94,11 +94,12 @@ constexpr int64_t NR = NV * VW, MR = 6, KC = 1024, MB = 240, MB_PAIRS = 960;
 // Qwen3-0.6B's bf16 linears ran 1.25x as fast as with slices of 256 at 1-8 rows, 1.1x at 32, 1.05x at
 // 256-960.
 constexpr int64_t KC_PAIRS = 2048;
-// Software prefetch of the weights (see gemm_impl): none below PF_MIN_ROWS rows, into L1 up to
-// PF_L1_MAX_ROWS, into L2 above. On an AVX-512 BF16 Zen 4 the hardware prefetcher keeps up with few rows
-// and the software one got in its way: 28 layers of Qwen3-0.6B's fp32 linears at 8 rows ran 1.2-1.4x as
-// fast without it (31-39 against 25-28 GB/s), level at 16; at 24-32 rows it still gains up to 1.14x.
-constexpr int64_t PF_L1_MAX_ROWS = 48;
+// Software prefetch of the weights (see gemm_impl): below PF_MIN_ROWS rows only from the row tiles after
+// the first with at least PF_LATE_ROWS rows, into L2; into L1 up to PF_L1_MAX_ROWS, into L2 above. On an
+// AVX-512 BF16 Zen 4 the hardware prefetcher keeps up with few rows and a prefetch from every tile got in
+// its way: 28 layers of Qwen3-0.6B's fp32 linears at 8 rows ran 1.2-1.4x as fast without it (31-39 against
+// 25-28 GB/s), level at 16; at 24-32 rows it still gains up to 1.14x.
+constexpr int64_t PF_L1_MAX_ROWS = 48, PF_LATE_ROWS = 4;
 #if defined(__AVX512BF16__)
 constexpr int64_t PF_MIN_ROWS = 17;
 #else
@@ -244,16 +245,28 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
         // range), shared out between the tiles: 1.05-1.2x at 8-24 rows on a 28-layer Qwen3-0.6B stack
         // there, into L1 up to PF_L1_MAX_ROWS rows, into L2 above (1.1-1.2x at 64-128 rows). Not below
         // PF_MIN_ROWS rows (see there).
+        //
+        // Below PF_MIN_ROWS the first tile streams the slice (the hardware prefetcher keeps up) and every later
+        // tile of at least PF_LATE_ROWS rows, which reads the slice from L2 while memory would idle, prefetches
+        // one line of the next slice per k into L2: on a Zen 4, 28 layers of Qwen3-0.6B's fp32 linears ran
+        // 1.07-1.13x as fast at 16 rows and 1.0-1.09x at 10-14 (four runs of 7-9 alternated rounds), level at
+        // 6-8 (int8 panels 1.02-1.045x at 8-16); later tiles of 1-3 rows (7-9 rows in all) lost up to 0.83x.
+        const bool few = M < PF_MIN_ROWS;
+        int64_t sharers = few ? 0 : tiles;
+        for (int64_t m0 = MR; few && m0 < M; m0 += MR) sharers += std::min(MR, M - m0) >= PF_LATE_ROWS;
         const int64_t lines = kc * NR * (int64_t)sizeof(W) / 64;
-        const int64_t per_tile = (lines + tiles - 1) / tiles;
+        const int64_t per_tile = sharers == 0 ? 0 : std::min(few ? kc : lines, (lines + sharers - 1) / sharers);
         const char* ahead = reinterpret_cast<const char*>(panel + (k0 + kc) * NR);
         const char* stop = reinterpret_cast<const char*>(wp + end * K * NR);
-        for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR, ++t) {
-          const char* pf = ahead + t * per_tile * 64;
-          const int64_t npf = M < PF_MIN_ROWS ? 0
-                              : std::max<int64_t>(0, std::min({per_tile, lines - t * per_tile, (stop - pf) / 64}));
+        for (int64_t m0 = 0, s = 0; m0 < M; m0 += MR) {
           const int64_t rows = std::min(MR, M - m0);
-          tile_rows(rows, x + m0 * K + k0, K, panel + k0 * NR, kc, acc.data() + m0 * NR, pf, npf, M <= PF_L1_MAX_ROWS);
+          const bool shares = !few || (m0 > 0 && rows >= PF_LATE_ROWS);  // s: this tile's share of the lines
+          const char* pf = ahead + s * per_tile * 64;
+          const int64_t npf = !shares ? 0 : std::max<int64_t>(0, std::min({per_tile, lines - s * per_tile,
+                                                                          (stop - pf) / 64}));
+          s += shares;
+          tile_rows(rows, x + m0 * K + k0, K, panel + k0 * NR, kc, acc.data() + m0 * NR, pf, npf,
+                    !few && M <= PF_L1_MAX_ROWS);
         }
       }
       if (scale != nullptr)
