@@ -66,6 +66,10 @@ class Runtime:
         """Raise the liveness failure, if one was reported."""
         self.transport.check_alive()
 
+    def report_lost_peer(self) -> bool:
+        """Report a peer process already gone (see :meth:`StepTransport.report_lost_peer`); True if one is."""
+        return self.transport.report_lost_peer()
+
     def step(self) -> list[RequestOutput]:
         """One engine step. A step that fails because a peer was lost becomes a WorkerDiedError naming it."""
         return self.transport.run_step(self.engine.step, self.engine.fail_all)

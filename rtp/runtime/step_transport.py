@@ -114,6 +114,16 @@ class StepTransport:
         if self.watchdog.failure is not None:
             raise _error(self.watchdog.failure)
 
+    def report_lost_peer(self) -> bool:
+        """If a peer process is already gone, report it now (the failure hooks run, as when the watchdog finds
+        it); True when a failure is (or was) reported. A stop signal often follows a rank's loss (torchrun
+        stops the survivors when one dies): checked first, the stop is told as that loss."""
+        found = self.watchdog.failure or self.watchdog.check_peers(heartbeats=False)
+        if found is None:
+            return False
+        self.watchdog.report(found)  # the first failure wins, whoever saw it
+        return True
+
     def _aborted(self) -> bool:
         return self.watchdog.failure is not None
 

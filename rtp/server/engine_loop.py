@@ -19,7 +19,9 @@ Exits, each ending the frontends and the workers, no segment left behind:
 
 * SIGTERM/SIGINT: SHUTDOWN to every frontend; they drain like the
   single-process server (``server.shutdown_grace_s``, then the rest is aborted)
-  and exit; the engine steps until they are gone, then returns 0.
+  and exit; the engine steps until they are gone, then returns 0. A signal that
+  finds a rank already gone (torchrun stops the survivors when one dies) is a
+  lost rank (below).
 * A frontend dies (EOF on its socket, its process exited, or it read nothing for
   ``liveness_timeout_s``): its requests are aborted in the engine, the others get
   FAIL (their clients an error), and the server exits 1.
@@ -401,10 +403,16 @@ class EngineLoop:
         self._wake()
 
     def _take_signals(self) -> None:
-        """Act on the signals the handler noted: the first stops gracefully, a second at once."""
+        """Act on the signals the handler noted: the first stops gracefully, a second at once. A signal that
+        finds a rank already gone (torchrun stops the other ranks when one dies) is that rank's loss: the
+        frontends get FAIL naming it (through the runtime's failure hook), not a graceful SHUTDOWN."""
         while self._signals_in:
             signum = self._signals_in.pop(0)
             self._signals += 1
+            if self.failure is None and self.runtime.report_lost_peer():
+                logger.info("%s after a rank was lost: failing the requests, not draining them",
+                            signal.Signals(signum).name)
+                continue
             if self._signals > 1:
                 logger.info("%s again: stopping now", signal.Signals(signum).name)
                 self._stop_deadline = 0.0

@@ -43,7 +43,8 @@ def test_a_signal_during_a_send_to_a_frontend_stops_the_loop_without_deadlock():
     from rtp.server.frontend_procs import FrontendLink
     from rtp.server.frontend_wire import FrameReader, Kind
 
-    runtime = SimpleNamespace(engine=None, config=SimpleNamespace(server=SimpleNamespace(shutdown_grace_s=4.0)))
+    runtime = SimpleNamespace(engine=None, config=SimpleNamespace(server=SimpleNamespace(shutdown_grace_s=4.0)),
+                              report_lost_peer=lambda: False)  # every rank alive
     loop = EngineLoop(runtime, None, 1, "", False)  # type: ignore[arg-type]
     ours, theirs = socket.socketpair()
     link = FrontendLink(0, None, ours, 5.0, pid=os.getpid())
@@ -63,5 +64,42 @@ def test_a_signal_during_a_send_to_a_frontend_stops_the_loop_without_deadlock():
         assert kinds == [Kind.SHUTDOWN]
     finally:
         loop._stop_bound.close()  # disarm the stop's exit deadline: this is the test process
+        for s in (ours, theirs, loop._wake_r, loop._wake_w):
+            s.close()
+
+
+def test_a_signal_after_a_rank_was_lost_fails_the_frontends_instead_of_draining_them():
+    """torchrun sends SIGTERM to the other ranks when one dies: if the loop finds a rank gone when it takes the
+    signal, the frontends get FAIL naming that rank (their /health and clients say why), not SHUTDOWN."""
+    import signal
+    import socket
+    from types import SimpleNamespace
+
+    from rtp.server.engine_loop import EngineLoop
+    from rtp.server.frontend_procs import FrontendLink
+    from rtp.server.frontend_wire import FrameReader, Kind
+
+    cause = "rank 1 (pid 4242) died"
+    reported: list[str] = []
+
+    def report_lost_peer() -> bool:  # as the runtime does: its failure hook is the loop's
+        reported.append(cause)
+        loop._on_runtime_failure(cause)
+        return True
+
+    runtime = SimpleNamespace(engine=None, config=SimpleNamespace(server=SimpleNamespace(shutdown_grace_s=4.0)),
+                              report_lost_peer=report_lost_peer)
+    loop = EngineLoop(runtime, None, 1, "", False)  # type: ignore[arg-type]
+    ours, theirs = socket.socketpair()
+    loop.links = [FrontendLink(0, None, ours, 5.0, pid=os.getpid())]
+    try:
+        loop._on_signal(signal.SIGTERM, None)
+        loop._take_signals()
+        assert reported == [cause] and loop.failure == cause and not loop.stopping
+        theirs.settimeout(2.0)
+        frames = list(FrameReader().feed(theirs.recv(4096)))
+        assert [kind for kind, _ in frames] == [Kind.FAIL] and bytes(frames[0][1]).decode() == cause
+    finally:
+        loop._stop_bound.close()
         for s in (ours, theirs, loop._wake_r, loop._wake_w):
             s.close()
