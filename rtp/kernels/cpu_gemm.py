@@ -226,8 +226,14 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
   // x: [M, K] fp32 (or bf16 with pair panels); wp: [ceil(N / NR), K, NR] (pairs: [.., K / 2, NR, 2], the
   // same offsets); y: [M, N] fp32 or bf16 = (x wᵀ) * scale + bias (scale: [N] or null), summed in fp32;
   // gate ‖ up panels (glu): N = 2I, no bias or scale, y as Glu says.
-  const int64_t panels = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR;
+  const int64_t panels = (N + NR - 1) / NR;
   const int64_t kc_max = std::is_same_v<X, at::BFloat16> ? KC_PAIRS : KC;  // bf16 rows: pair panels
+  // Which row tiles prefetch the next weight slice (see the K loop below): all of them from PF_MIN_ROWS rows,
+  // below that only the tiles after the first with at least PF_LATE_ROWS rows.
+  const bool few = M < PF_MIN_ROWS;
+  auto prefetches = [&](int64_t m0) { return !few || (m0 > 0 && std::min(MR, M - m0) >= PF_LATE_ROWS); };
+  int64_t sharers = 0;
+  for (int64_t m0 = 0; m0 < M; m0 += MR) sharers += prefetches(m0);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * NR);  // this panel's outputs, all rows
     for (int64_t p = begin; p < end; ++p) {
@@ -243,24 +249,21 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
         // ahead of a tile loop: the time was the memory time plus the compute time, not the larger of
         // the two. So the row tiles prefetch the next K slice (this thread's panels are one contiguous
         // range), shared out between the tiles: 1.05-1.2x at 8-24 rows on a 28-layer Qwen3-0.6B stack
-        // there, into L1 up to PF_L1_MAX_ROWS rows, into L2 above (1.1-1.2x at 64-128 rows). Not below
-        // PF_MIN_ROWS rows (see there).
+        // there, into L1 up to PF_L1_MAX_ROWS rows, into L2 above (1.1-1.2x at 64-128 rows).
         //
         // Below PF_MIN_ROWS the first tile streams the slice (the hardware prefetcher keeps up) and every later
         // tile of at least PF_LATE_ROWS rows, which reads the slice from L2 while memory would idle, prefetches
         // one line of the next slice per k into L2: on a Zen 4, 28 layers of Qwen3-0.6B's fp32 linears ran
         // 1.07-1.13x as fast at 16 rows and 1.0-1.09x at 10-14 (four runs of 7-9 alternated rounds), level at
-        // 6-8 (int8 panels 1.02-1.045x at 8-16); later tiles of 1-3 rows (7-9 rows in all) lost up to 0.83x.
-        const bool few = M < PF_MIN_ROWS;
-        int64_t sharers = few ? 0 : tiles;
-        for (int64_t m0 = MR; few && m0 < M; m0 += MR) sharers += std::min(MR, M - m0) >= PF_LATE_ROWS;
+        // 6-8 (no later tile prefetches there); int8 panels 1.02-1.045x at 12-16; later tiles of 1-3 rows (7-9
+        // rows in all) lost up to 0.83x.
         const int64_t lines = kc * NR * (int64_t)sizeof(W) / 64;
         const int64_t per_tile = sharers == 0 ? 0 : std::min(few ? kc : lines, (lines + sharers - 1) / sharers);
         const char* ahead = reinterpret_cast<const char*>(panel + (k0 + kc) * NR);
         const char* stop = reinterpret_cast<const char*>(wp + end * K * NR);
         for (int64_t m0 = 0, s = 0; m0 < M; m0 += MR) {
           const int64_t rows = std::min(MR, M - m0);
-          const bool shares = !few || (m0 > 0 && rows >= PF_LATE_ROWS);  // s: this tile's share of the lines
+          const bool shares = prefetches(m0);  // s: this tile's share of the lines
           const char* pf = ahead + s * per_tile * 64;
           const int64_t npf = !shares ? 0 : std::max<int64_t>(0, std::min({per_tile, lines - s * per_tile,
                                                                           (stop - pf) / 64}));
