@@ -58,10 +58,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from rtp.testing import TinyQwen3Spec
@@ -119,12 +121,8 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
     rtp.generate(warm, [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * len(warm),
                  use_tqdm=False)  # warm-up
     before = rt.engine.stats()
-    probe = args.device == "cpu"  # the floor's read bandwidth, just before and after the timed batch
-    gbs = [read_bandwidth(args.threads)] if probe else []
-    t0 = time.perf_counter()
-    outs = rtp.generate(prompts, params, use_tqdm=False)
-    gen_s = time.perf_counter() - t0
-    gbs += [read_bandwidth(args.threads)] if probe else []
+    outs, gen_s, gbs = timed_batch(lambda: rtp.generate(prompts, params, use_tqdm=False), args.threads,
+                                   probe=args.device == "cpu")
     after = rt.engine.stats()
     t0 = time.perf_counter()
     rtp.generate(prompts, rtp.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
@@ -166,11 +164,7 @@ def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dic
         return outs
 
     run(reqs[:2], 2)  # warm-up
-    gbs = [read_bandwidth(args.threads)] if dev.type == "cpu" else []
-    t0 = time.perf_counter()
-    outs = run(reqs, None)
-    gen_s = time.perf_counter() - t0
-    gbs += [read_bandwidth(args.threads)] if dev.type == "cpu" else []
+    outs, gen_s, gbs = timed_batch(lambda: run(reqs, None), args.threads, probe=dev.type == "cpu")
     t0 = time.perf_counter()
     run(reqs, 1)
     prefill_s = time.perf_counter() - t0
@@ -190,11 +184,7 @@ def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> d
     warm = prompts[:2]
     llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)] * len(warm),
                  use_tqdm=False)
-    gbs = [read_bandwidth(args.threads)]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    gen_s = time.perf_counter() - t0
-    gbs.append(read_bandwidth(args.threads))
+    outs, gen_s, gbs = timed_batch(lambda: llm.generate(prompts, params, use_tqdm=False), args.threads)
     t0 = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False),
                  use_tqdm=False)
@@ -254,6 +244,17 @@ def read_bandwidth(threads: int) -> float:
         return _best_rate(big.sum, big.numel() * 4 / 1e9, reps=5)
     finally:
         torch.set_num_threads(old)
+
+
+def timed_batch(fn: Callable[[], T], threads: int, probe: bool = True) -> tuple[T, float, list[float]]:
+    """``fn()``'s result and wall seconds, and (``probe``: a CPU run) the read bandwidth measured just before and
+    just after it, for the engine's own floor."""
+    gbs = [read_bandwidth(threads)] if probe else []
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    gbs += [read_bandwidth(threads)] if probe else []
+    return out, seconds, gbs
 
 
 def machine_line(threads: int, device: str, dtype_name: str = "float32") -> tuple[str, float, float]:
