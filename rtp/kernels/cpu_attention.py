@@ -6,11 +6,22 @@ memory three times, and SDPA's CPU kernel is slow for one query per sequence.
 This kernel reads each key and value once, straight from the paged cache: one
 task per sequence (or per (sequence, KV head) when there are few sequences), which
 scores the query heads against the sequence's own ``context_len`` keys, applies a
-softmax and sums the values. The blocks of a sequence lie anywhere in the cache, so
-the task prefetches the next block while it works on one: without that the
-kernel ran at a fifth of the read bandwidth (96 sequences of 160 tokens, 2.3x
-faster with it and whole-slot tasks). It is what the torch reference computes (``paged_decode_attention_reference``),
+softmax and sums the values. It is what the torch reference computes (``paged_decode_attention_reference``),
 in fp32 accumulation, for fp32/bf16/fp16 caches.
+
+The blocks of a sequence lie anywhere in the cache, and a task reads a block's keys (then its values)
+head by head, so its loads jump from slot to slot and the hardware prefetcher cannot follow them: each
+key of the next block is prefetched into L2 while the same key of this block is read, a few lines at a
+time between the arithmetic (after the last block of keys, the first block of values; after the last
+values, the first keys of the thread's next task; only a thread's very first block is prefetched in one
+go). Against the whole next block prefetched into L1 at once at the start of each block (a burst of
+512-1024 prefetches, fp32 or bf16, 16 keys of 8 KV heads), on a 2-core Zen 4, 28 layers whose
+caches are in memory, alternated in one process: Qwen3-0.6B's heads (16 / 8 of 128), 8 sequences of
+60-130 tokens bf16 1.69x, fp32 1.06x; 32 sequences of 100-317 1.92x / 1.10x; one of 1000 1.56x / 1.19x;
+the 40M's heads (8 / 4 of 64), 24 sequences of 40-155 2.16x / 1.49x. (Before the per-block prefetch
+existed it ran at a fifth of the read bandwidth.) Tried and left: scoring bf16 keys with ``vdpbf16ps``
+(0.78x with the cache in L3: four instructions a sum before each fold), the cache in huge pages (the
+kernel 1.1-1.16x, but 32 sampled requests at Qwen3-0.6B's dimensions 0.95-0.97x end to end).
 
 Prompt chunks and mixed steps (:func:`paged_prefill_attention_cpu`) take the varlen kernel: one
 task per (sequence, KV head, chunk of 32 queries), an online softmax over the sequence's cached
@@ -85,18 +96,34 @@ static inline v8f hsum8x8(const v8f* a) {
 }
 #endif
 
+// The decode kernel reads a block's keys (then its values) head by head, so its loads jump from slot to slot
+// and the hardware prefetcher cannot follow them; each key of the next block is prefetched into L2 as the same
+// key of this block is read (`next`: this head's keys or values one block further on, or null), a few lines
+// at a time spread over the arithmetic. Here: lines first .. first + count - 1 of the eight keys from key j of
+// the next block, taken in order (``lines`` lines per key).
+template <typename T>
+static inline void prefetch_lines(const T* next, int64_t stride, int64_t j, int64_t lines, int64_t first,
+                                  int64_t count) {
+  for (int64_t i = first, stop = std::min(first + count, 8 * lines); i < stop; ++i)
+    __builtin_prefetch(reinterpret_cast<const char*>(next + (j + i / lines) * stride) + i % lines * 64, 0, 2);
+}
+
 // s_r[j] = q_r . k_j for NQ query rows (q_r = q + r * D, s_r = s + r * ls) and the n keys k_j = k + j *
 // stride (D values each; q in fp32). The rows share each load (and bf16 widening) of a key; eight keys
 // at a time share each load of q and end in one shuffle tree (hsum8x8); the rest one dot product each.
+// next: see prefetch_lines (eight keys' lines over the D / 8 steps, sizeof(T) lines a step).
 template <int NQ, typename T>
-static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s, int64_t ls) {
+static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s, int64_t ls,
+                          const T* next) {
   int64_t j = 0;
+  const int64_t lines = std::max<int64_t>(1, D * static_cast<int64_t>(sizeof(T)) / 64);
 #ifdef RTP_HSUM8X8
   if (D % 8 == 0) {
     for (; j + 8 <= n; j += 8) {
       v8f a[NQ][8] = {};
       const T* kj = k + j * stride;
       for (int64_t d = 0; d < D; d += 8) {
+        if (next != nullptr) prefetch_lines(next, stride, j, lines, d / 8 * sizeof(T), sizeof(T));
         v8f qv[NQ];
         for (int r = 0; r < NQ; ++r) qv[r] = load8(q + r * D + d);
 #pragma GCC unroll 8
@@ -115,9 +142,11 @@ static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n,
 
 // acc_r[0, D) += sum_j p_r[j] * v_j for NQ rows (acc_r = acc + r * D, p_r = p + r * lp) over the n values
 // v_j = v + j * stride, each value loaded once for all rows: 64 outputs per row at a time stay in
-// registers over all n keys (one store per 64 outputs, not one per key).
+// registers over all n keys (one store per 64 outputs, not one per key). next: as for dots_f, each value's
+// 64 outputs' lines as they are read.
 template <int NQ, typename T>
-static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int64_t stride, int64_t n, int64_t D) {
+static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int64_t stride, int64_t n, int64_t D,
+                        const T* next) {
   int64_t d = 0;
   for (; d + 64 <= D; d += 64) {
     v8f a[NQ][8];
@@ -126,6 +155,9 @@ static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int6
       for (int u = 0; u < 8; ++u) a[r][u] = load8(acc + r * D + d + 8 * u);
     for (int64_t j = 0; j < n; ++j) {
       const T* vj = v + j * stride + d;
+      if (next != nullptr)
+        for (int64_t l = 0; l < static_cast<int64_t>(sizeof(T)); ++l)
+          __builtin_prefetch(reinterpret_cast<const char*>(next + j * stride + d) + l * 64, 0, 2);
       float pj[NQ];
       for (int r = 0; r < NQ; ++r) pj[r] = p[r * lp + j];
 #pragma GCC unroll 8
@@ -213,6 +245,9 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
         const T* src = qp + (b * Hq + h0 * rep + i) * D;
         for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(src[d]) * fscale;
       }
+      // A thread's first block in one go; every later one key by key while the block before it is read
+      // (dots_f, pv_f): the next block of keys, after the last of them the first block of values, after the
+      // last block of values the first keys of the thread's next task.
       auto prefetch_block = [&](const T* base, int64_t t0) {
         if (t0 >= len) return;
         const char* p = reinterpret_cast<const char*>(base + cache.block_offset(b, t0, h0));
@@ -221,19 +256,20 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
           for (int64_t l = 0; l < slot_lines; ++l) __builtin_prefetch(p + j * slot_bytes + l * 64);
       };
       // Scores: q . k for every key, block by block (row by row; a block's keys stay in L1 across rows).
-      prefetch_block(cache.k, 0);
+      if (task == begin) prefetch_block(cache.k, 0);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        prefetch_block(cache.k, t0 + block_size);
         const T* kb = cache.k + cache.block_offset(b, t0, h0);
+        const T* kn = t0 + block_size < len ? cache.k + cache.block_offset(b, t0 + block_size, h0)
+                                            : cache.v + cache.block_offset(b, 0, h0);
         const int64_t n = std::min(block_size, len - t0);
         for (int64_t i = 0; i < R; i += nq) {
-          const T* kh = kb + (i / rep) * cache.head_stride;
-          if (nq == 2) dots_f<2>(qf.data() + i * D, kh, st, n, D, scores.data() + i * len + t0, len);
-          else dots_f<1>(qf.data() + i * D, kh, st, n, D, scores.data() + i * len + t0, len);
+          const int64_t hd = (i / rep) * cache.head_stride;
+          const T* next = kn == nullptr ? nullptr : kn + hd;
+          if (nq == 2) dots_f<2>(qf.data() + i * D, kb + hd, st, n, D, scores.data() + i * len + t0, len, next);
+          else dots_f<1>(qf.data() + i * D, kb + hd, st, n, D, scores.data() + i * len + t0, len, next);
         }
       }
       // Softmax numerators exp(s - max), eight at a time; 1 / sum kept for the end.
-      prefetch_block(cache.v, 0);
       for (int64_t i = 0; i < R; ++i) {
         float* si = scores.data() + i * len;
         float mx = -std::numeric_limits<float>::infinity();
@@ -244,13 +280,17 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
       // Output: the softmax-weighted sum of the values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        prefetch_block(cache.v, t0 + block_size);
         const T* vb = cache.v + cache.block_offset(b, t0, h0);
+        const T* vn = t0 + block_size < len ? cache.v + cache.block_offset(b, t0 + block_size, h0)
+                      : task + 1 < end && lens[(task + 1) / groups] > 0
+                          ? cache.k + cache.block_offset((task + 1) / groups, 0, ((task + 1) % groups) * G)
+                          : nullptr;
         const int64_t n = std::min(block_size, len - t0);
         for (int64_t i = 0; i < R; i += nq) {
-          const T* vh = vb + (i / rep) * cache.head_stride;
-          if (nq == 2) pv_f<2>(acc.data() + i * D, scores.data() + i * len + t0, len, vh, st, n, D);
-          else pv_f<1>(acc.data() + i * D, scores.data() + i * len + t0, len, vh, st, n, D);
+          const int64_t hd = (i / rep) * cache.head_stride;
+          const T* next = vn == nullptr ? nullptr : vn + hd;
+          if (nq == 2) pv_f<2>(acc.data() + i * D, scores.data() + i * len + t0, len, vb + hd, st, n, D, next);
+          else pv_f<1>(acc.data() + i * D, scores.data() + i * len + t0, len, vb + hd, st, n, D, next);
         }
       }
       for (int64_t i = 0; i < R; ++i)

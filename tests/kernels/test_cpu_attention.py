@@ -32,6 +32,9 @@ CASES = [c for c in CPU_CASES if c.decode] + [
     # few and many sequences
     Case("decode-gqa-d20", [1] * 3, [5, 17, 40], 4, 2, 20, 4),
     Case("decode-gqa-d20-many", [1] * 40, [1 + (5 * i) % 37 for i in range(40)], 4, 2, 20, 4),
+    # Qwen3-0.6B's heads (16 / 8 of 128) over blocks of 16, many sequences of up to 9 blocks: the paths that
+    # prefetch the next block key by key, the first block of values after the last keys, the next task's keys
+    Case("decode-many-d128", [1] * 64, [1 + (11 * i) % 140 for i in range(64)], 16, 8, 128, 16),
 ]
 
 
