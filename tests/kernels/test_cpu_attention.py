@@ -35,6 +35,8 @@ CASES = [c for c in CPU_CASES if c.decode] + [
     # Qwen3-0.6B's heads (16 / 8 of 128) over blocks of 16, many sequences of up to 9 blocks: the paths that
     # prefetch the next block key by key, the first block of values after the last keys, the next task's keys
     Case("decode-many-d128", [1] * 64, [1 + (11 * i) % 140 for i in range(64)], 16, 8, 128, 16),
+    # one long sequence: its keys in ranges cut mid-block (multiples of 8 keys), merged at the end
+    Case("decode-one-long-d128", [1], [1000], 16, 8, 128, 16),
 ]
 
 
