@@ -100,6 +100,24 @@ static inline v8f hsum8x8(const v8f* a) {
   return __builtin_shufflevector(y0, y1, 0, 1, 2, 3, 8, 9, 10, 11) +
          __builtin_shufflevector(y0, y1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
+
+// r[i][j] -> r[j][i]: an 8 x 8 block of floats transposed (three rounds of pairwise shuffles).
+static inline void transpose8x8(v8f* r) {
+  v8f t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int k = 0; k < 2; ++k) {
+      u[i + 2 * k] = __builtin_shufflevector(t[i + k], t[i + k + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[i + 2 * k + 1] = __builtin_shufflevector(t[i + k], t[i + k + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = __builtin_shufflevector(u[k], u[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[k + 4] = __builtin_shufflevector(u[k], u[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
 #endif
 
 // The decode kernel reads a block's keys (then its values) head by head, so its loads jump from slot to slot
@@ -513,11 +531,30 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
         // Keys tk .. tk + n - 1, gathered from their blocks: transposed (zeros past n, up to whole tiles
         // of 16), and the values as rows.
         const int64_t n = std::min(KB, last_pos + 1 - tk), n16 = (n + 15) / 16 * 16;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t t = tk + j, slot = cache.block_offset(b, t, h) + (t % block_size) * st;
-          const T* kj = cache.k + slot;
-          const T* vj = cache.v + slot;
+        auto slot = [&](int64_t t) { return cache.block_offset(b, t, h) + (t % block_size) * st; };
+        int64_t j = 0;
+#ifdef RTP_HSUM8X8
+        // Eight keys at a time: 8 x 8 blocks of them, transposed in registers. Against scalar stores down
+        // kt's columns, the kernel on a 2-core Zen 4 at Qwen3-0.6B's heads: one prompt of 2000 tokens 1.11x fp32,
+        // 1.13x bf16; eight of 36-109 1.16-1.18x.
+        if (D % 8 == 0)
+          for (; j + 8 <= n; j += 8) {
+            const T* kr[8];
+            for (int u = 0; u < 8; ++u) kr[u] = cache.k + slot(tk + j + u);
+            for (int64_t d = 0; d < D; d += 8) {
+              v8f r[8];
+              for (int u = 0; u < 8; ++u) r[u] = load8(kr[u] + d);
+              transpose8x8(r);
+              for (int u = 0; u < 8; ++u) store8(kt.data() + (d + u) * KB + j, r[u]);
+            }
+          }
+#endif
+        for (; j < n; ++j) {
+          const T* kj = cache.k + slot(tk + j);
           for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = static_cast<float>(kj[d]);
+        }
+        for (j = 0; j < n; ++j) {
+          const T* vj = cache.v + slot(tk + j);
           float* vr = vc.data() + j * D;
           for (int64_t d = 0; d < D; ++d) vr[d] = static_cast<float>(vj[d]);
         }
