@@ -18,6 +18,7 @@ import asyncio
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -64,11 +65,18 @@ def socket_url(sock: socket.socket) -> str:
 
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, plus the "serving on" line (when ``url`` is given) and the bounded drain of
-    running requests."""
+    running requests.
 
-    def __init__(self, config: uvicorn.Config, engine: ServingEngine, url: str | None, grace_s: float) -> None:
+    ``lost_peer`` (rank 0's server: :meth:`Runtime.report_lost_peer`) is asked first when the server stops:
+    torchrun sends SIGTERM to the other ranks when one dies, and a stop that finds a rank already gone is
+    that rank's loss (the runtime's failure hooks give every request an error naming it, the exit code is
+    1), not a graceful drain.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: ServingEngine, url: str | None, grace_s: float,
+                 lost_peer: Callable[[], bool] | None = None) -> None:
         super().__init__(config)
-        self.engine, self.url, self.grace_s = engine, url, grace_s
+        self.engine, self.url, self.grace_s, self.lost_peer = engine, url, grace_s, lost_peer
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -76,7 +84,10 @@ class GracefulServer(uvicorn.Server):
             logger.info("serving on %s", self.url)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        logger.info("stopping: running requests have %.0f s to finish", self.grace_s)
+        if self.lost_peer is not None and self.lost_peer():
+            logger.error("stopping after a rank was lost: the running requests failed, none drains")
+        else:
+            logger.info("stopping: running requests have %.0f s to finish", self.grace_s)
         timer = asyncio.get_running_loop().call_later(self.grace_s, self._abort_running)
         try:
             await super().shutdown(sockets)
@@ -154,7 +165,8 @@ def run_server(runtime: Runtime, sock: socket.socket | None = None, access_log: 
         app, log_config=None, access_log=access_log, lifespan="on",
         timeout_graceful_shutdown=int(server_cfg.shutdown_grace_s + _CANCEL_MARGIN_S),
     )
-    server = GracefulServer(uv_config, engine, socket_url(sock), server_cfg.shutdown_grace_s)
+    server = GracefulServer(uv_config, engine, socket_url(sock), server_cfg.shutdown_grace_s,
+                            lost_peer=runtime.report_lost_peer)
     exit_code = 0
 
     def engine_died(message: str) -> None:

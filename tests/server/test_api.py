@@ -621,3 +621,43 @@ def test_a_crashed_engine_thread_fails_requests_and_health(tokenizer):
         assert "boom" not in r.text  # the details stay in the log
         assert client.get("/health").status_code == 503
         assert died and "RuntimeError" in died[0]
+
+
+@pytest.mark.parametrize("lost", [True, False], ids=["rank-lost", "all-alive"])
+def test_the_server_stopping_first_asks_whether_a_rank_is_gone(caplog, lost: bool) -> None:
+    """torchrun sends SIGTERM to the surviving ranks when one dies: the single-process server, stopping, asks the
+    runtime first (which, finding the rank gone, fails every request with its name) and says which stop it is."""
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from rtp.server.runner import GracefulServer, bind_socket
+
+    async def app(scope, receive, send) -> None:  # noqa: ANN001 - never called: no request is made
+        raise AssertionError("no request expected")
+
+    asked: list[bool] = []
+
+    def lost_peer() -> bool:
+        asked.append(lost)
+        return lost
+
+    server = GracefulServer(uvicorn.Config(app, lifespan="off", log_config=None), SimpleNamespace(abort_all=lambda: 0),
+                            None, 5.0, lost_peer=lost_peer)
+    sock = bind_socket("127.0.0.1", 0)
+
+    async def serve_then_stop() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        server.should_exit = True  # what uvicorn's SIGTERM handler does
+        await asyncio.wait_for(task, 10)
+
+    with caplog.at_level("INFO", logger="rtp"):
+        try:
+            asyncio.run(serve_then_stop())
+        finally:
+            sock.close()
+    assert asked == [lost]
+    said = "stopping after a rank was lost" if lost else "running requests have 5 s to finish"
+    assert said in caplog.text
