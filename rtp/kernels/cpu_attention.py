@@ -232,10 +232,10 @@ struct PagedCache {
         block_size(k_cache.size(1)), num_kv_heads(k_cache.size(2)), block_stride(k_cache.stride(0)),
         slot_stride(k_cache.stride(1)), head_stride(k_cache.stride(2)), max_blocks(block_tables.size(1)) {}
 
-  // Element offset of KV head h, slot 0, in the block that holds token t of sequence b; token t0 + j
-  // of that block (t0 a multiple of block_size) is j * slot_stride further.
-  int64_t block_offset(int64_t b, int64_t t, int64_t h) const {
-    return static_cast<int64_t>(tables[b * max_blocks + t / block_size]) * block_stride + h * head_stride;
+  // Element offset of KV head h of token t of sequence b; the next tokens of its block are slot_stride apart.
+  int64_t offset(int64_t b, int64_t t, int64_t h) const {
+    return static_cast<int64_t>(tables[b * max_blocks + t / block_size]) * block_stride + t % block_size * slot_stride +
+           h * head_stride;
   }
 };
 
@@ -283,8 +283,8 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
       const int64_t n_keys = std::max<int64_t>(k1 - k0, 0);
       scores.resize(Hq * std::max<int64_t>(n_keys, 1));  // row i = query head i, one score per key from k0
       for (int64_t i = 0; i < Hq * D; ++i) qf[i] = static_cast<float>(qp[b * Hq * D + i]) * fscale;
-      // Slot t's offset, and how many keys from t on lie in its block (t need not start the block).
-      auto slot = [&](int64_t t) { return cache.block_offset(b, t, 0) + t % block_size * st; };
+      // Key t's offset, and how many keys from t on lie in its block (t need not start the block).
+      auto slot = [&](int64_t t) { return cache.offset(b, t, 0); };
       auto piece = [&](int64_t t) { return std::min(block_size - t % block_size, k1 - t); };
       // A thread's first block in one go; every later one key by key while the block before it is read
       // (dots_f, pv_f): the next block of keys, after the last of them the first block of values, after the
@@ -322,7 +322,7 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
         const T* vb = cache.v + slot(t0);
         const int64_t nb = (task + 1) / S, nt = next_task.first;  // the next task's first keys
         const T* vn = t0 + n < k1 ? cache.v + slot(t0 + n)
-                      : next_task.second > nt ? cache.k + cache.block_offset(nb, nt, 0) + nt % block_size * st
+                      : next_task.second > nt ? cache.k + cache.offset(nb, nt, 0)
                       : nullptr;
         for (int64_t i = 0; i < Hq; i += nq) {
           const int64_t hd = (i / rep) * cache.head_stride;
@@ -480,7 +480,7 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
   constexpr int64_t QC = 128;
   const PagedCache<T> cache(k_cache, v_cache, block_tables);
   const int64_t B = k_lens.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t block_size = cache.block_size, Hkv = cache.num_kv_heads, rep = Hq / Hkv, st = cache.slot_stride;
+  const int64_t Hkv = cache.num_kv_heads, rep = Hq / Hkv;
   const T* qp = q.data_ptr<T>();
   const int32_t* cu = cu_q.data_ptr<int32_t>();
   const int32_t* lens = k_lens.data_ptr<int32_t>();
@@ -496,13 +496,13 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
   for (int64_t b = 0; b < B; ++b)
     for (int64_t q0 = cu[b]; q0 < cu[b + 1]; q0 += QC) { task_seq.push_back(b); task_q0.push_back(q0); }
   const int64_t num_chunks = static_cast<int64_t>(task_seq.size()), num_tasks = num_chunks * Hkv;
-  auto last_pos = [&](int64_t c) {  // the position of chunk c's last query
+  auto chunk_end = [&](int64_t c) {  // the position of chunk c's last query
     const int64_t b = task_seq[c];
     return lens[b] - cu[b + 1] + std::min<int64_t>(cu[b + 1], task_q0[c] + QC) - 1;
   };
   std::vector<int64_t> order(num_chunks);
   for (int64_t c = 0; c < num_chunks; ++c) order[c] = c;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return last_pos(x) > last_pos(y); });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return chunk_end(x) > chunk_end(y); });
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     // Rows padded to whole tiles (padding rows: zero queries, never written out).
@@ -531,7 +531,7 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
         // Keys tk .. tk + n - 1, gathered from their blocks: transposed (zeros past n, up to whole tiles
         // of 16), and the values as rows.
         const int64_t n = std::min(KB, last_pos + 1 - tk), n16 = (n + 15) / 16 * 16;
-        auto slot = [&](int64_t t) { return cache.block_offset(b, t, h) + (t % block_size) * st; };
+        auto slot = [&](int64_t t) { return cache.offset(b, t, h); };
         int64_t j = 0;
 #ifdef RTP_HSUM8X8
         // Eight keys at a time: 8 x 8 blocks of them, transposed in registers. Against scalar stores down
