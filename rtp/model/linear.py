@@ -109,10 +109,12 @@ def cpu_linear_method(device: torch.device, dtype: torch.dtype) -> CpuLinearMeth
     layers of Qwen3-0.6B's linears ran 1.1-1.5x oneDNN's rate at 1-8 rows, level at 16-64 and 0.92-0.95x
     at 256-2048. The same CPUs (AVX-512 BF16 without AMX: Zen 4 and later) run fp32 through the panel
     GEMM too: on the Zen 4, bench workloads at Qwen3-0.6B dimensions took 0.6-0.8x oneDNN's time for one
-    request of 64 tokens, 0.94x for 8 greedy requests, level for 32 sampled ones. oneDNN where it is
-    known fast: fp32 on other AVX-512 CPUs (on a Xeon the panel GEMM ran 1.56x at one row, level at 8-32,
-    0.94-0.98x at 256-1024), bf16 on AMX. oneDNN also runs bf16 on plain AVX-512,
-    emulated: a Qwen3-0.6B decode step there took 2x the fp32 one. Elsewhere rtp's panel GEMM where
+    request of 64 tokens, 0.94x for 8 greedy requests, level for 32 sampled ones. A Zen 5 (full-width AVX-512:
+    oneDNN's bf16 rate 1020 GFLOP/s, fp32 510) keeps the choice: 28 layers of Qwen3-0.6B's linears took 0.70x
+    oneDNN's time at 1 row, 0.77x at 8, 0.93x at 64, level at 256 (bf16); 0.78-0.82x at 1-16, 0.98x at 256
+    (fp32). oneDNN where it is known fast: fp32 on other AVX-512 CPUs (on a Xeon the panel GEMM ran 1.56x
+    at one row, level at 8-32, 0.94-0.98x at 256-1024), bf16 on AMX. oneDNN also runs bf16 on plain
+    AVX-512, emulated: a Qwen3-0.6B decode step there took 2x the fp32 one. Elsewhere rtp's panel GEMM where
     it builds (on AVX2 CPUs it streams decode weights at about twice oneDNN's rate; bf16 weights
     widened in registers read half the bytes), else oneDNN if it runs at all.
     """
