@@ -2,7 +2,7 @@
 
 Each kernel module hands its source here; :func:`build` compiles it on first use
 (about 30-60 s, cached under ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``,
-keyed by the source, the torch build and this CPU) and imports it. Without a C++
+keyed by the source, the torch build and this CPU: vendor, family, model and flags) and imports it. Without a C++
 compiler, or if the build fails, it returns None and the caller keeps its torch path.
 """
 
@@ -26,14 +26,25 @@ logger = get_logger(__name__)
 _STALE_LOCK_S = 600.0
 
 
-def _cpu_tag() -> str:
-    """Identifies this CPU model, so a cache folder shared between machines never serves -march=native code."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line for line in f if line.startswith("model name")), "")
-    except OSError:
-        model = ""
-    return hashlib.sha256(f"{platform.machine()}|{model}".encode()).hexdigest()[:8]
+# The lines of /proc/cpuinfo that say what code the CPU runs (x86, then Arm); not the clock or the bogomips,
+# which change from one boot to the next.
+_CPU_IDENTITY = ("vendor_id", "cpu family", "model", "model name", "flags",
+                 "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
+
+
+def _cpu_tag(cpuinfo: str | None = None) -> str:
+    """Identifies this CPU, so a cache folder shared between machines never serves another CPU's -march=native
+    code. The model name alone does not: VMs on a Zen 4 and on a Zen 5 host both report "AMD EPYC", and code
+    built for the Zen 5 stops a Zen 4 with an illegal instruction. ``cpuinfo``: /proc/cpuinfo's text."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    first = cpuinfo.split("\n\n", 1)[0]  # the first processor's block (all cores of a machine alike)
+    fields = [line for line in first.splitlines() if line.split(":", 1)[0].strip() in _CPU_IDENTITY]
+    return hashlib.sha256("|".join([platform.machine(), *fields]).encode()).hexdigest()[:8]
 
 
 def build(prefix: str, source: str, functions: list[str], extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:

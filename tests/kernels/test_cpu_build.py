@@ -27,3 +27,32 @@ def test_a_leftover_build_lock_does_not_block_loading_a_built_kernel() -> None:
         assert out.returncode == 0, out.stderr[-2000:]
     finally:
         lock.unlink(missing_ok=True)
+
+
+_ZEN4 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+cpu MHz\t\t: 2595.124
+flags\t\t: fpu avx2 avx512f avx512_bf16
+bogomips\t: 5190.24
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+"""
+
+
+def test_the_kernel_cache_tag_tells_apart_cpus_with_the_same_model_name() -> None:
+    """A cache folder shared between a Zen 4 and a Zen 5 VM (both "AMD EPYC") must not hand one the other's
+    -march=native build; the clock and bogomips, which change between boots, must not force a rebuild."""
+    from rtp.kernels.cpu_build import _cpu_tag
+
+    zen5 = _ZEN4.replace("cpu family\t: 25", "cpu family\t: 26").replace("model\t\t: 17", "model\t\t: 2") \
+                .replace("avx512_bf16", "avx512_bf16 avx512_vp2intersect")
+    other_flags = _ZEN4.replace("avx512_bf16", "avx512_bf16 avx512_vp2intersect")
+    reboot = _ZEN4.replace("2595.124", "2600.000").replace("5190.24", "5200.00")
+    assert _cpu_tag(_ZEN4) != _cpu_tag(zen5)
+    assert _cpu_tag(_ZEN4) != _cpu_tag(other_flags)
+    assert _cpu_tag(_ZEN4) == _cpu_tag(reboot)
+    assert _cpu_tag(_ZEN4) == _cpu_tag(_ZEN4.replace("processor\t: 1", "processor\t: 1\ncpu MHz\t\t: 1"))
