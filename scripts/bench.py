@@ -257,6 +257,19 @@ def timed_batch(fn: Callable[[], T], threads: int, probe: bool = True) -> tuple[
     return out, seconds, gbs
 
 
+def cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it, with its family and model: VMs show only "AMD EPYC" for hosts whose
+    vector units differ twofold (a Zen 4 is family 25, a Zen 5 family 26), so tables must say which."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n", 1)[0]
+    except OSError:
+        return "unknown CPU"
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    ids = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model") if k in info)
+    return f"{info.get('model name', 'unknown CPU')}" + (f" ({ids})" if ids else "")
+
+
 def machine_line(threads: int, device: str, dtype_name: str = "float32") -> tuple[str, float, float]:
     """Threads, measured GEMM GFLOP/s with weights in ``dtype_name`` and read bandwidth in GB/s.
 
@@ -285,7 +298,8 @@ def machine_line(threads: int, device: str, dtype_name: str = "float32") -> tupl
     best = max(rates, key=rates.__getitem__)
     gbs = read_bandwidth(threads)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dtype_name]
-    line = f"{threads} threads, {short}-weight GEMM {rates[best]:.0f} GFLOP/s ({best}), read {gbs:.0f} GB/s"
+    line = (f"{cpu_name()}, {threads} threads, {short}-weight GEMM {rates[best]:.0f} GFLOP/s ({best}), "
+            f"read {gbs:.0f} GB/s")
     return line, rates[best], gbs
 
 
