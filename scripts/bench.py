@@ -260,12 +260,9 @@ def timed_batch(fn: Callable[[], T], threads: int, probe: bool = True) -> tuple[
 def cpu_name() -> str:
     """The CPU as /proc/cpuinfo names it, with its family and model: VMs show only "AMD EPYC" for hosts whose
     vector units differ twofold (a Zen 4 is family 25, a Zen 5 family 26), so tables must say which."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            first = f.read().split("\n\n", 1)[0]
-    except OSError:
-        return "unknown CPU"
-    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    from rtp.kernels.cpu_features import first_cpu_info
+
+    info = first_cpu_info()
     ids = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model") if k in info)
     return f"{info.get('model name', 'unknown CPU')}" + (f" ({ids})" if ids else "")
 

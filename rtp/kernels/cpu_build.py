@@ -19,6 +19,7 @@ from types import ModuleType
 
 import torch
 
+from rtp.kernels.cpu_features import first_cpu_info
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
@@ -36,14 +37,8 @@ def _cpu_tag(cpuinfo: str | None = None) -> str:
     """Identifies this CPU, so a cache folder shared between machines never serves another CPU's -march=native
     code. The model name alone does not: VMs on a Zen 4 and on a Zen 5 host both report "AMD EPYC", and code
     built for the Zen 5 stops a Zen 4 with an illegal instruction. ``cpuinfo``: /proc/cpuinfo's text."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
-    first = cpuinfo.split("\n\n", 1)[0]  # the first processor's block (all cores of a machine alike)
-    fields = [line for line in first.splitlines() if line.split(":", 1)[0].strip() in _CPU_IDENTITY]
+    info = first_cpu_info(cpuinfo)
+    fields = [f"{key}={info[key]}" for key in _CPU_IDENTITY if key in info]
     return hashlib.sha256("|".join([platform.machine(), *fields]).encode()).hexdigest()[:8]
 
 

@@ -11,17 +11,28 @@ _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """Linux /proc/cpuinfo flags of bf16 dot-product instructions (AVX-512 BF16, AMX tiles)."""
 
 
+def first_cpu_info(cpuinfo: str | None = None) -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (or in the text ``cpuinfo``), e.g. ``"cpu family"`` ->
+    ``"26"``; empty where there is none. Every core of a machine reads the same."""
+    if cpuinfo is None:
+        cpuinfo = _proc_cpuinfo()
+    first = cpuinfo.split("\n\n", 1)[0]
+    return {key.strip(): value.strip() for key, sep, value in (line.partition(":") for line in first.splitlines())
+            if sep}
+
+
+@functools.cache
+def _proc_cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The instruction-set flags of the first CPU in /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+    return frozenset(first_cpu_info().get("flags", "").split())
 
 
 def native_bf16() -> bool:
