@@ -509,7 +509,7 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
     const int64_t rows_max = (QC * rep + PR - 1) / PR * PR;
     std::vector<float> qf(rows_max * D, 0.f), acc(rows_max * D), m(rows_max), l(rows_max), corr(rows_max);
     std::vector<float> s(rows_max * KB), kt(D * KB), vc(KB * D);
-    std::vector<int64_t> pos(rows_max);
+    std::vector<int64_t> pos(rows_max), off(KB);  // off: the gathered keys' (and values') cache offsets
     for (int64_t task; (task = next_task.fetch_add(1)) < num_tasks;) {
       const int64_t c = order[task / Hkv], h = task % Hkv, b = task_seq[c], q0 = task_q0[c];
       const int64_t qn = std::min<int64_t>(QC, cu[b + 1] - q0);
@@ -531,7 +531,7 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
         // Keys tk .. tk + n - 1, gathered from their blocks: transposed (zeros past n, up to whole tiles
         // of 16), and the values as rows.
         const int64_t n = std::min(KB, last_pos + 1 - tk), n16 = (n + 15) / 16 * 16;
-        auto slot = [&](int64_t t) { return cache.offset(b, t, h); };
+        for (int64_t j = 0; j < n; ++j) off[j] = cache.offset(b, tk + j, h);
         int64_t j = 0;
 #ifdef RTP_HSUM8X8
         // Eight keys at a time: 8 x 8 blocks of them, transposed in registers. Against scalar stores down
@@ -540,7 +540,7 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
         if (D % 8 == 0)
           for (; j + 8 <= n; j += 8) {
             const T* kr[8];
-            for (int u = 0; u < 8; ++u) kr[u] = cache.k + slot(tk + j + u);
+            for (int u = 0; u < 8; ++u) kr[u] = cache.k + off[j + u];
             for (int64_t d = 0; d < D; d += 8) {
               v8f r[8];
               for (int u = 0; u < 8; ++u) r[u] = load8(kr[u] + d);
@@ -550,11 +550,11 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
           }
 #endif
         for (; j < n; ++j) {
-          const T* kj = cache.k + slot(tk + j);
+          const T* kj = cache.k + off[j];
           for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = static_cast<float>(kj[d]);
         }
         for (j = 0; j < n; ++j) {
-          const T* vj = cache.v + slot(tk + j);
+          const T* vj = cache.v + off[j];
           float* vr = vc.data() + j * D;
           for (int64_t d = 0; d < D; ++d) vr[d] = static_cast<float>(vj[d]);
         }
