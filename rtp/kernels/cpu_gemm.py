@@ -112,6 +112,13 @@ constexpr int64_t PF_MIN_ROWS = 0;
 // at 8, 1.10x at 16 (1.04-1.09x while the host's memory ran at ~47 rather than ~75 GB/s); fp32 1.08-1.09x at
 // 4-16; level at 32 (not prefetching) and at 1 row (prefetching there measured 0.93-0.97x, hence the bound).
 constexpr int64_t PF_AHEAD = 32, PF_AHEAD_MIN_ROWS = 4;
+// K slices of KC_SHORT where one row tile streams the weights and a tail too small to prefetch follows it (7-9
+// rows, see gemm_impl): in long slices the tail re-reads each slice from L2 while memory idles; in short ones it
+// reads it from L1 right after the streaming tile, whose look-ahead (into the next slice) keeps memory busy
+// meanwhile. On a 2-core Zen 5, 28 layers of Qwen3-0.6B's linears, alternated in one process: bf16 1.06-1.13x
+// at 7-9 rows, fp32 1.08-1.13x (1.03-1.09x while the host's memory ran slow); level at 1-6. Not with more rows:
+// at 32, slices of 32-128 cost 0.58-0.84x (every tile's sums through memory once a slice).
+constexpr int64_t KC_SHORT = 64;
 
 static inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
@@ -164,16 +171,22 @@ static void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int
 #define RTP_BF16_DOT 1
 // The same tile for bf16 x and bf16 weights packed in pairs of inputs, [K / 2, NR, 2] per panel: one
 // vdpbf16ps multiplies 16 columns x 2 inputs and adds both products to fp32 sums, twice an fp32 FMA's work.
-// No prefetch of the next slice here (on an AVX-512 BF16 Zen 4 it cost 0.8x at 8 rows and nothing at 1 or 32);
-// the streaming tile prefetches PF_AHEAD pair steps ahead (``ahead``, see PF_AHEAD).
+// Prefetches as the fp32 tile does (one line of the next slice a pair step, and ``ahead``). On a 2-core Zen 5,
+// 28 layers of Qwen3-0.6B's bf16 linears, alternated, with the next-slice prefetch against without: 1.18-1.31x
+// at 24-32 rows, 1.10x at 64, 1.04-1.10x at 12-16, level at 256-583 (on the Zen 4 host the pair tiles were
+// written on, a prefetch from every tile cost 0.8x at 8 rows; rows below PF_MIN_ROWS no longer do that).
 template <int R>
 static inline void tile_dot(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t kc, float* acc,
-                            bool ahead) {
+                            const char* pf, int64_t npf, bool to_l1, bool ahead) {
   __m512 a[R][NV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + r * NR + j * VW);
   for (int64_t kp = 0; kp < kc / 2; ++kp) {
     if (ahead) prefetch_ahead(w + kp * NR * 2, NR * 2 * sizeof(at::BFloat16));
+    if (kp < npf) {
+      if (to_l1) __builtin_prefetch(pf + kp * 64);
+      else __builtin_prefetch(pf + kp * 64, 0, 2);
+    }
     __m512bh v[NV];
     for (int j = 0; j < NV; ++j) v[j] = (__m512bh)_mm512_loadu_si512(w + (kp * NR + j * VW) * 2);
     for (int r = 0; r < R; ++r) {
@@ -189,14 +202,14 @@ static inline void tile_dot(const at::BFloat16* x, int64_t ldx, const at::BFloat
 
 // bf16 rows: the pair tiles (the weights are pairs whenever x is bf16, see gemm()).
 static void tile_rows(int64_t rows, const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t kc,
-                      float* acc, const char*, int64_t, bool, bool ahead) {
+                      float* acc, const char* pf, int64_t npf, bool to_l1, bool ahead) {
   switch (rows) {
-    case 6: tile_dot<6>(x, ldx, w, kc, acc, ahead); break;
-    case 5: tile_dot<5>(x, ldx, w, kc, acc, ahead); break;
-    case 4: tile_dot<4>(x, ldx, w, kc, acc, ahead); break;
-    case 3: tile_dot<3>(x, ldx, w, kc, acc, ahead); break;
-    case 2: tile_dot<2>(x, ldx, w, kc, acc, ahead); break;
-    default: tile_dot<1>(x, ldx, w, kc, acc, ahead); break;
+    case 6: tile_dot<6>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    case 5: tile_dot<5>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    case 4: tile_dot<4>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    case 3: tile_dot<3>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    case 2: tile_dot<2>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    default: tile_dot<1>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
   }
 }
 #endif
@@ -245,11 +258,13 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
   // same offsets); y: [M, N] fp32 or bf16 = (x wᵀ) * scale + bias (scale: [N] or null), summed in fp32;
   // gate ‖ up panels (glu): N = 2I, no bias or scale, y as Glu says.
   const int64_t panels = (N + NR - 1) / NR;
-  const int64_t kc_max = std::is_same_v<X, at::BFloat16> ? KC_PAIRS : KC;  // bf16 rows: pair panels
+  constexpr bool pair_tiles = std::is_same_v<X, at::BFloat16>;  // bf16 rows: pair panels
   // Which row tiles prefetch the next weight slice (see the K loop below): all of them from PF_MIN_ROWS rows,
   // below that only the tiles after the first with at least PF_LATE_ROWS rows.
   const bool few = M < PF_MIN_ROWS;
   auto prefetches = [&](int64_t m0) { return !few || (m0 > 0 && std::min(MR, M - m0) >= PF_LATE_ROWS); };
+  const bool short_slices = M > MR && M < 2 * MR && !prefetches(MR);  // see KC_SHORT
+  const int64_t kc_max = short_slices ? KC_SHORT : pair_tiles ? KC_PAIRS : KC;
   int64_t sharers = 0;
   for (int64_t m0 = 0; m0 < M; m0 += MR) sharers += prefetches(m0);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -276,7 +291,8 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
         // 6-8 (no later tile prefetches there); int8 panels 1.02-1.045x at 12-16; later tiles of 1-3 rows (7-9
         // rows in all) lost up to 0.83x.
         const int64_t lines = kc * NR * (int64_t)sizeof(W) / 64;
-        const int64_t per_tile = sharers == 0 ? 0 : std::min(few ? kc : lines, (lines + sharers - 1) / sharers);
+        const int64_t steps = pair_tiles ? kc / 2 : kc;  // one prefetch a step at most
+        const int64_t per_tile = sharers == 0 ? 0 : std::min(few ? steps : lines, (lines + sharers - 1) / sharers);
         const char* next_slice = reinterpret_cast<const char*>(panel + (k0 + kc) * NR);
         const char* stop = reinterpret_cast<const char*>(wp + end * K * NR);
         for (int64_t m0 = 0, s = 0; m0 < M; m0 += MR) {
