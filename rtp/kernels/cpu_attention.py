@@ -42,7 +42,12 @@ together, so that each key and value is loaded (and widened from bf16) once for 
 16 / 8 heads on a Zen 4, 1.2-1.5x per call at 1-32 sequences of 100-1000 tokens, level at 8 x 1600
 (memory-bound there). Against one dot product and one in-memory axpy per key, on one thread of an
 AVX-512 host: decode over 300 keys 28 -> 14.5 us, 96 sequences of 160 keys 2.8 -> 1.1 ms, a verification
-step's 5 queries over 300 keys 114 -> 61 us.
+step's 5 queries over 300 keys 114 -> 61 us. Its vectors are whole registers (16 floats with AVX-512, else 8;
+head dims that are not a multiple take one dot product per key), and the next block's prefetch walks its
+lines with a cursor: on a 2-core Zen 5, 28 layers of 8 sequences of 55-115 keys at Qwen3-0.6B's heads with
+the caches in L2/L3, 1.30x bf16 and 1.33x fp32 against 8-float vectors and an integer division per
+prefetched line (a fifth of the kernel's time in ``perf``); with the caches in memory level (0.95-1.07x,
+bound by the memory there).
 
 The varlen kernel has many query rows per key instead, so it works in register tiles like a GEMM
 (``scores_tile``, ``pv_tile``): the 64 keys are gathered once per task into a transposed fp32 copy,
@@ -120,43 +125,78 @@ static inline void transpose8x8(v8f* r) {
 }
 #endif
 
+// The decode kernel's vectors: AW floats, a whole register (16 with AVX-512, else 8); fold8 adds a vector's
+// halves into eight lanes.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+constexpr int64_t AW = 16;
+typedef float vaf __attribute__((vector_size(64)));
+static inline vaf loada(const float* p) { vaf v; std::memcpy(&v, p, sizeof v); return v; }
+static inline vaf loada(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+  return (vaf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+template <typename T> static inline vaf loada(const T* p) {
+  float f[16]; for (int j = 0; j < 16; ++j) f[j] = static_cast<float>(p[j]);
+  return loada(f);
+}
+static inline void storea(float* p, vaf v) { std::memcpy(p, &v, sizeof v); }
+static inline v8f fold8(vaf v) {
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#else
+constexpr int64_t AW = 8;
+typedef v8f vaf;
+template <typename T> static inline vaf loada(const T* p) { return load8(p); }
+static inline void storea(float* p, vaf v) { store8(p, v); }
+static inline v8f fold8(vaf v) { return v; }
+#endif
+
 // The decode kernel reads a block's keys (then its values) head by head, so its loads jump from slot to slot
 // and the hardware prefetcher cannot follow them; each key of the next block is prefetched into L2 as the same
 // key of this block is read (`next`: this head's keys or values one block further on, or null), a few lines
-// at a time spread over the arithmetic. Here: lines first .. first + count - 1 of the eight keys from key j of
-// the next block, taken in order (``lines`` lines per key).
+// at a time spread over the arithmetic. Here: the next ``count`` lines of the eight keys from key j of the
+// next block (``lines`` lines per key), taken in order from line ``line`` of key j + ``key``, which move past
+// them (a cursor rather than a division per line: an idiv per line was a fifth of the kernel's time).
 template <typename T>
-static inline void prefetch_lines(const T* next, int64_t stride, int64_t j, int64_t lines, int64_t first,
-                                  int64_t count) {
-  for (int64_t i = first, stop = std::min(first + count, 8 * lines); i < stop; ++i)
-    __builtin_prefetch(reinterpret_cast<const char*>(next + (j + i / lines) * stride) + i % lines * 64, 0, 2);
+static inline void prefetch_lines(const T* next, int64_t stride, int64_t j, int64_t lines, int64_t& key,
+                                  int64_t& line, int64_t count) {
+  for (int64_t c = 0; c < count && key < 8; ++c) {
+    __builtin_prefetch(reinterpret_cast<const char*>(next + (j + key) * stride) + line * 64, 0, 2);
+    if (++line == lines) line = 0, ++key;
+  }
 }
 
 // s_r[j] = q_r . k_j for NQ query rows (q_r = q + r * D, s_r = s + r * ls) and the n keys k_j = k + j *
 // stride (D values each; q in fp32). The rows share each load (and bf16 widening) of a key; eight keys
 // at a time share each load of q and end in one shuffle tree (hsum8x8); the rest one dot product each.
-// next: see prefetch_lines (eight keys' lines over the D / 8 steps, sizeof(T) lines a step).
+// next: see prefetch_lines (eight keys' lines over the D / AW steps, AW / 8 * sizeof(T) lines a step).
 template <int NQ, typename T>
 static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s, int64_t ls,
                           const T* next) {
   int64_t j = 0;
   const int64_t lines = std::max<int64_t>(1, D * static_cast<int64_t>(sizeof(T)) / 64);
 #ifdef RTP_HSUM8X8
-  if (D % 8 == 0) {
+  if (D % AW == 0) {
     for (; j + 8 <= n; j += 8) {
-      v8f a[NQ][8] = {};
+      vaf a[NQ][8] = {};
       const T* kj = k + j * stride;
-      for (int64_t d = 0; d < D; d += 8) {
-        if (next != nullptr) prefetch_lines(next, stride, j, lines, d / 8 * sizeof(T), sizeof(T));
-        v8f qv[NQ];
-        for (int r = 0; r < NQ; ++r) qv[r] = load8(q + r * D + d);
+      int64_t pk = 0, pl = 0;  // the prefetch cursor
+      for (int64_t d = 0; d < D; d += AW) {
+        if (next != nullptr) prefetch_lines(next, stride, j, lines, pk, pl, AW / 8 * sizeof(T));
+        vaf qv[NQ];
+        for (int r = 0; r < NQ; ++r) qv[r] = loada(q + r * D + d);
 #pragma GCC unroll 8
         for (int u = 0; u < 8; ++u) {
-          const v8f kv = load8(kj + u * stride + d);
+          const vaf kv = loada(kj + u * stride + d);
           for (int r = 0; r < NQ; ++r) a[r][u] += qv[r] * kv;
         }
       }
-      for (int r = 0; r < NQ; ++r) store8(s + r * ls + j, hsum8x8(a[r]));
+      for (int r = 0; r < NQ; ++r) {
+        v8f f[8];
+        for (int u = 0; u < 8; ++u) f[u] = fold8(a[r][u]);
+        store8(s + r * ls + j, hsum8x8(f));
+      }
     }
   }
 #endif
@@ -172,11 +212,12 @@ template <int NQ, typename T>
 static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int64_t stride, int64_t n, int64_t D,
                         const T* next) {
   int64_t d = 0;
+  constexpr int NV = 64 / AW;  // vectors of 64 outputs
   for (; d + 64 <= D; d += 64) {
-    v8f a[NQ][8];
+    vaf a[NQ][NV];
     for (int r = 0; r < NQ; ++r)
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) a[r][u] = load8(acc + r * D + d + 8 * u);
+      for (int u = 0; u < NV; ++u) a[r][u] = loada(acc + r * D + d + AW * u);
     for (int64_t j = 0; j < n; ++j) {
       const T* vj = v + j * stride + d;
       if (next != nullptr)
@@ -185,14 +226,14 @@ static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int6
       float pj[NQ];
       for (int r = 0; r < NQ; ++r) pj[r] = p[r * lp + j];
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) {
-        const v8f vv = load8(vj + 8 * u);
+      for (int u = 0; u < NV; ++u) {
+        const vaf vv = loada(vj + AW * u);
         for (int r = 0; r < NQ; ++r) a[r][u] += pj[r] * vv;
       }
     }
     for (int r = 0; r < NQ; ++r)
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) store8(acc + r * D + d + 8 * u, a[r][u]);
+      for (int u = 0; u < NV; ++u) storea(acc + r * D + d + AW * u, a[r][u]);
   }
   for (int r = 0; r < NQ; ++r) {
     float* ar = acc + r * D;
