@@ -154,19 +154,6 @@ static inline void tile(const float* x, int64_t ldx, const W* w, int64_t kc, flo
     for (int j = 0; j < NV; ++j) storev(acc + r * NR + j * VW, a[r][j]);
 }
 
-template <typename W>
-static void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t kc, float* acc,
-                      const char* pf, int64_t npf, bool to_l1, bool ahead) {
-  switch (rows) {
-    case 6: tile<6>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-    case 5: tile<5>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-    case 4: tile<4>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-    case 3: tile<3>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-    case 2: tile<2>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-    default: tile<1>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-  }
-}
-
 #if defined(__AVX512BF16__)
 #define RTP_BF16_DOT 1
 // The same tile for bf16 x and bf16 weights packed in pairs of inputs, [K / 2, NR, 2] per panel: one
@@ -176,8 +163,8 @@ static void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int
 // at 24-32 rows, 1.10x at 64, 1.04-1.10x at 12-16, level at 256-583 (on the Zen 4 host the pair tiles were
 // written on, a prefetch from every tile cost 0.8x at 8 rows; rows below PF_MIN_ROWS no longer do that).
 template <int R>
-static inline void tile_dot(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t kc, float* acc,
-                            const char* pf, int64_t npf, bool to_l1, bool ahead) {
+static inline void tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t kc, float* acc,
+                        const char* pf, int64_t npf, bool to_l1, bool ahead) {
   __m512 a[R][NV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + r * NR + j * VW);
@@ -200,19 +187,22 @@ static inline void tile_dot(const at::BFloat16* x, int64_t ldx, const at::BFloat
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + r * NR + j * VW, a[r][j]);
 }
 
-// bf16 rows: the pair tiles (the weights are pairs whenever x is bf16, see gemm()).
-static void tile_rows(int64_t rows, const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t kc,
-                      float* acc, const char* pf, int64_t npf, bool to_l1, bool ahead) {
+#endif
+
+// One row tile of ``rows`` rows: fp32 rows, or bf16 rows over pair panels (the weights are pairs whenever x is
+// bf16, see gemm()).
+template <typename X, typename W>
+static void tile_rows(int64_t rows, const X* x, int64_t ldx, const W* w, int64_t kc, float* acc,
+                      const char* pf, int64_t npf, bool to_l1, bool ahead) {
   switch (rows) {
-    case 6: tile_dot<6>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-    case 5: tile_dot<5>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-    case 4: tile_dot<4>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-    case 3: tile_dot<3>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-    case 2: tile_dot<2>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
-    default: tile_dot<1>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    case 6: tile<6>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    case 5: tile<5>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    case 4: tile<4>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    case 3: tile<3>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    case 2: tile<2>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
+    default: tile<1>(x, ldx, w, kc, acc, pf, npf, to_l1, ahead); break;
   }
 }
-#endif
 
 // n outputs of one row, from the fp32 sums: as they are, or rounded to bf16 (to nearest even).
 static inline void store_row(float* y, const float* acc, int64_t n) { std::memcpy(y, acc, n * sizeof(float)); }
