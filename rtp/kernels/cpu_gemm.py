@@ -11,7 +11,8 @@ The weight ``[N, K]`` is re-laid out at load as panels of ``NR`` output columns,
 ``[ceil(N / NR), K, NR]``: NR = 64 on AVX-512 (a register tile of 6 rows x 4 zmm vectors), 16
 elsewhere (6 rows x 2 ymm), one fused multiply-add per weight and row either way. K is cut in
 slices of 1024 (bf16 pair panels: 2048) so that the panel slice stays in L2 while every 6-row
-tile of the batch reuses it; panels are spread over the threads. The tiles also prefetch the next
+tile of the batch reuses it (at 7-9 rows in slices of 64, in L1: see KC_SHORT); panels are spread
+over the threads. The tiles also prefetch the next
 slice of weights from memory where that measured faster (see PF_MIN_ROWS).
 Prompt steps run in equal blocks of at most 240 rows, so that the rows a panel reads come from L2.
 
