@@ -125,31 +125,14 @@ static inline void transpose8x8(v8f* r) {
 }
 #endif
 
-// The decode kernel's vectors: AW floats, a whole register (16 with AVX-512, else 8); fold8 adds a vector's
-// halves into eight lanes.
+// fold8: a whole register's (vf, see the shared header) lanes added into eight.
 #if defined(__AVX512F__)
-#include <immintrin.h>
-constexpr int64_t AW = 16;
-typedef float vaf __attribute__((vector_size(64)));
-static inline vaf loada(const float* p) { vaf v; std::memcpy(&v, p, sizeof v); return v; }
-static inline vaf loada(const at::BFloat16* p) {  // bf16 is the top half of an fp32
-  return (vaf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
-}
-template <typename T> static inline vaf loada(const T* p) {
-  float f[16]; for (int j = 0; j < 16; ++j) f[j] = static_cast<float>(p[j]);
-  return loada(f);
-}
-static inline void storea(float* p, vaf v) { std::memcpy(p, &v, sizeof v); }
-static inline v8f fold8(vaf v) {
+static inline v8f fold8(vf v) {
   return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 #else
-constexpr int64_t AW = 8;
-typedef v8f vaf;
-template <typename T> static inline vaf loada(const T* p) { return load8(p); }
-static inline void storea(float* p, vaf v) { store8(p, v); }
-static inline v8f fold8(vaf v) { return v; }
+static inline v8f fold8(vf v) { return v; }
 #endif
 
 // The decode kernel reads a block's keys (then its values) head by head, so its loads jump from slot to slot
@@ -170,25 +153,25 @@ static inline void prefetch_lines(const T* next, int64_t stride, int64_t j, int6
 // s_r[j] = q_r . k_j for NQ query rows (q_r = q + r * D, s_r = s + r * ls) and the n keys k_j = k + j *
 // stride (D values each; q in fp32). The rows share each load (and bf16 widening) of a key; eight keys
 // at a time share each load of q and end in one shuffle tree (hsum8x8); the rest one dot product each.
-// next: see prefetch_lines (eight keys' lines over the D / AW steps, AW / 8 * sizeof(T) lines a step).
+// next: see prefetch_lines (eight keys' lines over the D / VW steps, VW / 8 * sizeof(T) lines a step).
 template <int NQ, typename T>
 static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s, int64_t ls,
                           const T* next) {
   int64_t j = 0;
   const int64_t lines = std::max<int64_t>(1, D * static_cast<int64_t>(sizeof(T)) / 64);
 #ifdef RTP_HSUM8X8
-  if (D % AW == 0) {
+  if (D % VW == 0) {
     for (; j + 8 <= n; j += 8) {
-      vaf a[NQ][8] = {};
+      vf a[NQ][8] = {};
       const T* kj = k + j * stride;
       int64_t pk = 0, pl = 0;  // the prefetch cursor
-      for (int64_t d = 0; d < D; d += AW) {
-        if (next != nullptr) prefetch_lines(next, stride, j, lines, pk, pl, AW / 8 * sizeof(T));
-        vaf qv[NQ];
-        for (int r = 0; r < NQ; ++r) qv[r] = loada(q + r * D + d);
+      for (int64_t d = 0; d < D; d += VW) {
+        if (next != nullptr) prefetch_lines(next, stride, j, lines, pk, pl, VW / 8 * sizeof(T));
+        vf qv[NQ];
+        for (int r = 0; r < NQ; ++r) qv[r] = loadv(q + r * D + d);
 #pragma GCC unroll 8
         for (int u = 0; u < 8; ++u) {
-          const vaf kv = loada(kj + u * stride + d);
+          const vf kv = loadv(kj + u * stride + d);
           for (int r = 0; r < NQ; ++r) a[r][u] += qv[r] * kv;
         }
       }
@@ -212,12 +195,12 @@ template <int NQ, typename T>
 static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int64_t stride, int64_t n, int64_t D,
                         const T* next) {
   int64_t d = 0;
-  constexpr int NV = 64 / AW;  // vectors of 64 outputs
+  constexpr int NV = 64 / VW;  // vectors of 64 outputs
   for (; d + 64 <= D; d += 64) {
-    vaf a[NQ][NV];
+    vf a[NQ][NV];
     for (int r = 0; r < NQ; ++r)
 #pragma GCC unroll 8
-      for (int u = 0; u < NV; ++u) a[r][u] = loada(acc + r * D + d + AW * u);
+      for (int u = 0; u < NV; ++u) a[r][u] = loadv(acc + r * D + d + VW * u);
     for (int64_t j = 0; j < n; ++j) {
       const T* vj = v + j * stride + d;
       if (next != nullptr)
@@ -227,13 +210,13 @@ static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int6
       for (int r = 0; r < NQ; ++r) pj[r] = p[r * lp + j];
 #pragma GCC unroll 8
       for (int u = 0; u < NV; ++u) {
-        const vaf vv = loada(vj + AW * u);
+        const vf vv = loadv(vj + VW * u);
         for (int r = 0; r < NQ; ++r) a[r][u] += pj[r] * vv;
       }
     }
     for (int r = 0; r < NQ; ++r)
 #pragma GCC unroll 8
-      for (int u = 0; u < NV; ++u) storea(acc + r * D + d + AW * u, a[r][u]);
+      for (int u = 0; u < NV; ++u) storev(acc + r * D + d + VW * u, a[r][u]);
   }
   for (int r = 0; r < NQ; ++r) {
     float* ar = acc + r * D;

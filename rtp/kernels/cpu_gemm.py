@@ -55,29 +55,16 @@ _SOURCE = SIMD_HEADER + r"""
 #include <type_traits>
 #include <vector>
 
-// A register tile is MR rows x NV vectors of VW floats: one panel of NR = NV * VW output columns.
-// AVX-512: 6 x 4 zmm (64 columns); otherwise 6 x 2 ymm (16 columns). 24 or 12 accumulators.
-// bf16 weights are the top half of an fp32 (widened by shifting 16 bits up); int8 ones are
-// sign-extended to int32 lanes, then converted.
+// A register tile is MR rows x NV vectors of VW floats (vf, loadv: the shared header's whole registers): one
+// panel of NR = NV * VW output columns. AVX-512: 6 x 4 zmm (64 columns); otherwise 6 x 2 ymm (16 columns). 24
+// or 12 accumulators. int8 weights are sign-extended to int32 lanes, then converted.
 #if defined(__AVX512F__)
-#include <immintrin.h>
-constexpr int VW = 16, NV = 4;
-typedef float vf __attribute__((vector_size(64)));
-static inline vf loadv(const at::BFloat16* p) {
-  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
-}
+constexpr int NV = 4;
 static inline vf loadv(const int8_t* p) {
   return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
 #else
-constexpr int VW = 8, NV = 2;
-typedef float vf __attribute__((vector_size(32)));
-static inline vf loadv(const at::BFloat16* p) {
-  uint16_t h[8]; std::memcpy(h, p, sizeof h);
-  uint32_t u[8];
-  for (int i = 0; i < 8; ++i) u[i] = static_cast<uint32_t>(h[i]) << 16;
-  vf v; std::memcpy(&v, u, sizeof v); return v;
-}
+constexpr int NV = 2;
 static inline vf loadv(const int8_t* p) {
   // one vpmovsxbd + vcvtdq2ps on AVX2 (converting an 8-byte vector directly compiles to a scalar
   // conversion per lane)
@@ -121,8 +108,6 @@ constexpr int64_t PF_AHEAD = 32, PF_AHEAD_MIN_ROWS = 4;
 // at 32, slices of 32-128 cost 0.58-0.84x (every tile's sums through memory once a slice).
 constexpr int64_t KC_SHORT = 64;
 
-static inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-static inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 // The weight lines PF_AHEAD k steps after those at w_k, one step being ``step_bytes`` (a pair step in pair
 // panels). The panel and this thread's next ones are contiguous; a prefetch past the weight's end is harmless.

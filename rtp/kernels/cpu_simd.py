@@ -1,4 +1,4 @@
-"""Eight-float SIMD helpers shared by rtp's C++ CPU kernels (prepended to their sources).
+"""Eight-float (and whole-register) SIMD helpers shared by rtp's C++ CPU kernels (prepended to their sources).
 
 GCC/Clang vector extensions rather than intrinsics: with ``-march=native`` they compile
 to AVX2 or AVX-512 (two halves of a register) or NEON, from one source.
@@ -81,6 +81,29 @@ template <typename T> static inline v8f load8(const T* p) {
   float f[8]; for (int j = 0; j < 8; ++j) f[j] = static_cast<float>(p[j]);
   return load8(f);
 }
+
+// Whole vector registers of floats: VW lanes (16 with AVX-512, else 8: a v8f), loaded from fp32 or bf16 (bf16
+// widened by a 16-bit shift; any other type lane by lane) and stored as fp32.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+constexpr int VW = 16;
+typedef float vf __attribute__((vector_size(64)));
+static inline vf loadv(const at::BFloat16* p) {
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+#else
+constexpr int VW = 8;
+typedef v8f vf;
+static inline vf loadv(const at::BFloat16* p) { return load8(p); }
+#endif
+static inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+template <typename T> static inline vf loadv(const T* p) {
+  float f[VW];
+  for (int j = 0; j < VW; ++j) f[j] = static_cast<float>(p[j]);
+  return loadv(f);
+}
+
 static inline float hsum8(v8f v) {
   float s = 0.f;
   for (int j = 0; j < 8; ++j) s += v[j];
