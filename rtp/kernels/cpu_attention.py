@@ -51,12 +51,18 @@ bound by the memory there).
 
 The varlen kernel has many query rows per key instead, so it works in register tiles like a GEMM
 (``scores_tile``, ``pv_tile``): the 64 keys are gathered once per task into a transposed fp32 copy,
-8 query rows (AVX2: 4) x 16 keys of scores are summed over the head dimension with one broadcast per
-row, the values summed into 8 rows x 16 outputs, and each row's online softmax costs one max, the
-exponentials and one rescale per 64 keys; tiles past a row's position are skipped. Against per-row
-dot products and value sums per 16-key block with 16-query tasks, on a 2-core Zen 4: 24 prompts of
-32-256 tokens (8 / 4 heads of 64) 1.55x (60 -> 93 GFLOP/s of causal attention), at Qwen3-0.6B's heads
-(16 / 8 of 128) 1.59x; in the 40M benchmark's prompt steps 78 -> 53 ms.
+8 query rows (AVX2: 4) x two registers of keys (32 with AVX-512, 16 with AVX2) of scores are summed over
+the head dimension with one broadcast per row, the values summed into 8 rows x two registers of outputs,
+and each row's online softmax costs one max, the exponentials and one rescale per 64 keys; tiles past a
+row's position are skipped. Against per-row dot products and value sums per 16-key block with 16-query
+tasks, on a 2-core Zen 4: 24 prompts of 32-256 tokens (8 / 4 heads of 64) 1.55x (60 -> 93 GFLOP/s of causal
+attention), at Qwen3-0.6B's heads (16 / 8 of 128) 1.59x; in the 40M benchmark's prompt steps 78 -> 53 ms.
+The tiles were 8-float vectors (16 keys) until whole registers: on a 2-core Zen 5 (full-width AVX-512),
+alternated in one process, one prompt of 2000 tokens at Qwen3-0.6B's heads 1.58-1.65x fp32 / 1.64-1.68x bf16 (~230
+-> ~380 GFLOP/s), 8 prompts of 36-109 1.35-1.38x, the 40M's 24 prompts 1.37-1.43x, the same outputs; a
+generate() of that 2000-token prompt (its time to first token) 1.27x bf16, 1.17x fp32; the bench.py
+workloads, whose prompt attention is a few percent of their time, level (0.99-1.01x). 12 rows x 32 keys
+and 6 rows x 64 keys measured no faster.
 
 The source is compiled on first use by :func:`rtp.kernels.cpu_build.build` (about 30-60 s,
 cached). Without a C++ compiler, or if the build fails, :func:`load` returns None and the
@@ -417,57 +423,59 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 
 // Prompt attention works on tiles: a task's query rows against KB keys at a time, gathered from their
-// blocks into fp32 copies, the keys transposed (kt [D][KB]) so that PR rows x 16 keys of scores are
+// blocks into fp32 copies, the keys transposed (kt [D][KB]) so that PR rows x TW keys of scores are
 // vector sums over D with one broadcast of q per row and d (no horizontal sums), the values as rows
-// (vc [KB][D]) summed into PR rows x 16 outputs held in registers. Per row and KB keys, the online
-// softmax costs one max, the exponentials and one rescale. PR rows: as many as the registers hold.
+// (vc [KB][D]) summed into PR rows x TW outputs held in registers. Per row and KB keys, the online
+// softmax costs one max, the exponentials and one rescale. PR rows: as many as the registers hold; TW: two
+// whole registers (32 floats with AVX-512, 16 otherwise), so that each broadcast feeds two FMAs.
 #if defined(__AVX512F__)
 constexpr int PR = 8;
 #else
 constexpr int PR = 4;
 #endif
-constexpr int64_t KB = 64;
+constexpr int NT = 2;
+constexpr int64_t KB = 64, TW = NT * VW;
 
-// s_r[0, 16) = q_r . k_j for PR rows (q_r = q + r * D, s_r = s + r * KB; k_j = column j of kt [D][KB]).
+// s_r[0, TW) = q_r . k_j for PR rows (q_r = q + r * D, s_r = s + r * KB; k_j = column j of kt [D][KB]).
 static inline void scores_tile(const float* q, int64_t D, const float* kt, float* s) {
-  v8f a[PR][2] = {};
+  vf a[PR][NT] = {};
   for (int64_t d = 0; d < D; ++d) {
-    const v8f k0 = load8(kt + d * KB), k1 = load8(kt + d * KB + 8);
+    vf k[NT];
+    for (int u = 0; u < NT; ++u) k[u] = loadv(kt + d * KB + u * VW);
     for (int r = 0; r < PR; ++r) {
       const float qv = q[r * D + d];
-      a[r][0] += qv * k0;
-      a[r][1] += qv * k1;
+      for (int u = 0; u < NT; ++u) a[r][u] += qv * k[u];
     }
   }
-  for (int r = 0; r < PR; ++r) {
-    store8(s + r * KB, a[r][0]);
-    store8(s + r * KB + 8, a[r][1]);
-  }
+  for (int r = 0; r < PR; ++r)
+    for (int u = 0; u < NT; ++u) storev(s + r * KB + u * VW, a[r][u]);
 }
 
-// acc_r[0, D) = acc_r * corr[r] + sum_{j < n} p_r[j] v_j for PR rows (acc_r = acc + r * D, p_r = p + r * KB,
-// v_j = v + j * D), 16 outputs of every row at a time.
-static inline void pv_tile(float* acc, const float* corr, const float* p, const float* v, int64_t n, int64_t D) {
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    v8f a[PR][2];
+// acc_r[d, d + NV VW) = acc_r * corr[r] + sum_{j < n} p_r[j] v_j there, for PR rows (acc_r = acc + r * D,
+// p_r = p + r * KB, v_j = v + j * D).
+template <int NV>
+static inline void pv_cols(float* acc, const float* corr, const float* p, const float* v, int64_t n, int64_t D,
+                           int64_t d) {
+  vf a[PR][NV];
+  for (int r = 0; r < PR; ++r)
+    for (int u = 0; u < NV; ++u) a[r][u] = loadv(acc + r * D + d + u * VW) * corr[r];
+  for (int64_t j = 0; j < n; ++j) {
+    vf x[NV];
+    for (int u = 0; u < NV; ++u) x[u] = loadv(v + j * D + d + u * VW);
     for (int r = 0; r < PR; ++r) {
-      a[r][0] = load8(acc + r * D + d) * corr[r];
-      a[r][1] = load8(acc + r * D + d + 8) * corr[r];
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const v8f v0 = load8(v + j * D + d), v1 = load8(v + j * D + d + 8);
-      for (int r = 0; r < PR; ++r) {
-        const float pj = p[r * KB + j];
-        a[r][0] += pj * v0;
-        a[r][1] += pj * v1;
-      }
-    }
-    for (int r = 0; r < PR; ++r) {
-      store8(acc + r * D + d, a[r][0]);
-      store8(acc + r * D + d + 8, a[r][1]);
+      const float pj = p[r * KB + j];
+      for (int u = 0; u < NV; ++u) a[r][u] += pj * x[u];
     }
   }
+  for (int r = 0; r < PR; ++r)
+    for (int u = 0; u < NV; ++u) storev(acc + r * D + d + u * VW, a[r][u]);
+}
+
+// The same over all of [0, D): TW outputs of every row at a time, then one register, then one by one.
+static inline void pv_tile(float* acc, const float* corr, const float* p, const float* v, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + TW <= D; d += TW) pv_cols<NT>(acc, corr, p, v, n, D, d);
+  for (; d + VW <= D; d += VW) pv_cols<1>(acc, corr, p, v, n, D, d);
   for (int r = 0; r < PR; ++r)
     for (int64_t e = d; e < D; ++e) {
       float a = acc[r * D + e] * corr[r];
@@ -553,8 +561,8 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
       const int64_t last_pos = pos[rows - 1];  // the task's last query sees keys <= it
       for (int64_t tk = 0; tk <= last_pos; tk += KB) {
         // Keys tk .. tk + n - 1, gathered from their blocks: transposed (zeros past n, up to whole tiles
-        // of 16), and the values as rows.
-        const int64_t n = std::min(KB, last_pos + 1 - tk), n16 = (n + 15) / 16 * 16;
+        // of TW), and the values as rows.
+        const int64_t n = std::min(KB, last_pos + 1 - tk), n_tiles = (n + TW - 1) / TW * TW;
         for (int64_t j = 0; j < n; ++j) off[j] = cache.offset(b, tk + j, h);
         int64_t j = 0;
 #ifdef RTP_HSUM8X8
@@ -582,7 +590,7 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
           float* vr = vc.data() + j * D;
           for (int64_t d = 0; d < D; ++d) vr[d] = static_cast<float>(vj[d]);
         }
-        for (int64_t d = 0; d < D; ++d) std::fill(kt.begin() + d * KB + n, kt.begin() + d * KB + n16, 0.f);
+        for (int64_t d = 0; d < D; ++d) std::fill(kt.begin() + d * KB + n, kt.begin() + d * KB + n_tiles, 0.f);
         // Rows before the first that sees key tk see none of these (positions ascend with the row).
         int64_t r0 = 0;
         while (pos[r0] < tk) ++r0;
@@ -590,7 +598,7 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
           // The tile's rows see the first nt of these keys at most (fewer on the diagonal).
           const int64_t nt = std::min(n, pos[r0 + PR - 1] + 1 - tk);
           float* st0 = s.data() + r0 * KB;
-          for (int64_t j = 0; j < nt; j += 16) scores_tile(qf.data() + r0 * D, D, kt.data() + j, st0 + j);
+          for (int64_t j = 0; j < nt; j += TW) scores_tile(qf.data() + r0 * D, D, kt.data() + j, st0 + j);
           for (int64_t i = r0; i < r0 + PR; ++i) {
             // Online softmax: keys past the row's position count as exp(-inf) = 0.
             float* si = s.data() + i * KB;
