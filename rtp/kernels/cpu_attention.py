@@ -62,7 +62,13 @@ alternated in one process, one prompt of 2000 tokens at Qwen3-0.6B's heads 1.58-
 -> ~380 GFLOP/s), 8 prompts of 36-109 1.35-1.38x, the 40M's 24 prompts 1.37-1.43x, the same outputs; a
 generate() of that 2000-token prompt (its time to first token) 1.27x bf16, 1.17x fp32; the bench.py
 workloads, whose prompt attention is a few percent of their time, level (0.99-1.01x). 12 rows x 32 keys
-and 6 rows x 64 keys measured no faster.
+and 6 rows x 64 keys measured no faster. With AVX-512 BF16, bf16 caches whose head dim is a multiple of the
+tile (32) take the same tiles in pair products (``vdpbf16ps``, see ``gather_pairs``): the keys and values
+copied as pairs of bf16, the scores and the softmax in fp32, its numerators rounded to bf16 for the value
+sums. Against the fp32 tiles above, same host: one 2000-token prompt 1.59x per call (~370 -> ~570
+GFLOP/s), 8 prompts of 36-109 1.50x, the 40M's heads (64) 1.32-1.35x; that prompt's ``generate()`` 1.17x
+(3.22 -> 2.74 s; 4.13 s with the 8-float tiles before both); bf16 logits as far from HF's fp32 ones as before
+(the trained default model 0.0091 either way).
 
 The source is compiled on first use by :func:`rtp.kernels.cpu_build.build` (about 30-60 s,
 cached). Without a C++ compiler, or if the build fails, :func:`load` returns None and the
@@ -500,6 +506,102 @@ static inline float max_n(const float* s, int64_t n) {
   return mx;
 }
 
+#if defined(__AVX512BF16__) && defined(RTP_HSUM8X8)
+#define RTP_PAIR_TILES 1
+// bf16 caches on CPUs with AVX-512 BF16, head dims in whole tiles: the same tiles in pair products
+// (vdpbf16ps: 16 sums of two bf16 products a register, twice an fp32 FMA's work) over copies laid out in
+// pairs, as 32-bit words: the keys [D / 2][KB] (inputs 2i, 2i + 1 of key j), the values [KB / 2][D] (the value d
+// of keys 2m, 2m + 1). The scores are summed and scaled in fp32; the softmax numerators are rounded to bf16 for
+// the value sums (as flash attention does on GPUs), their row sums stay fp32.
+static inline __m512bh pair_bcast(uint32_t w) { return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w)); }
+
+// Keys and values j < n (at cache offsets off[j]) into kt and vp, zeros past n up to whole tiles.
+static inline void gather_pairs(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* off, int64_t n,
+                                int64_t D, uint32_t* kt, uint32_t* vp) {
+  const int64_t D2 = D / 2, n_tiles = (n + TW - 1) / TW * TW;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)  // 8 keys x 8 words, transposed in registers (as bit patterns)
+    for (int64_t i = 0; i < D2; i += 8) {
+      v8f r[8];
+      for (int u = 0; u < 8; ++u) std::memcpy(&r[u], kc + off[j + u] + 2 * i, sizeof r[u]);
+      transpose8x8(r);
+      for (int u = 0; u < 8; ++u) std::memcpy(kt + (i + u) * KB + j, &r[u], sizeof r[u]);
+    }
+  for (; j < n; ++j)
+    for (int64_t i = 0; i < D2; ++i) std::memcpy(kt + i * KB + j, kc + off[j] + 2 * i, sizeof(uint32_t));
+  for (int64_t i = 0; i < D2; ++i) std::fill(kt + i * KB + n, kt + i * KB + n_tiles, 0u);
+  for (int64_t m = 0; 2 * m < n; ++m) {
+    const at::BFloat16* a = vc + off[2 * m];
+    const at::BFloat16* b = 2 * m + 1 < n ? vc + off[2 * m + 1] : nullptr;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+      const __m512i hi = b == nullptr ? _mm512_setzero_si512()
+          : _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d))), 16);
+      _mm512_storeu_si512(vp + m * D + d, _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
+// scores_tile in pairs: s_r[0, TW) = scale * q_r . k_j (q_r = q + r * D2 words, D2 = D / 2; kt as above).
+static inline void scores_pairs(const uint32_t* q, int64_t D2, const uint32_t* kt, float* s, float scale) {
+  __m512 a[PR][NT];
+  for (int r = 0; r < PR; ++r)
+    for (int u = 0; u < NT; ++u) a[r][u] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D2; ++i) {
+    __m512bh k[NT];
+    for (int u = 0; u < NT; ++u) k[u] = (__m512bh)_mm512_loadu_si512(kt + i * KB + u * VW);
+    for (int r = 0; r < PR; ++r) {
+      const __m512bh x = pair_bcast(q[r * D2 + i]);
+      for (int u = 0; u < NT; ++u) a[r][u] = _mm512_dpbf16_ps(a[r][u], x, k[u]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < PR; ++r)
+    for (int u = 0; u < NT; ++u) _mm512_storeu_ps(s + r * KB + u * VW, _mm512_mul_ps(a[r][u], sc));
+}
+
+// Rows s_r[0, n) (s_r = s + r * KB) as bf16 into p_r (KB / 2 words a row), a zero after an odd n.
+static inline void numerators_bf16(const float* s, int64_t n, uint32_t* p) {
+  for (int r = 0; r < PR; ++r)
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 live = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, s + r * KB + j));
+      std::memcpy(p + r * KB / 2 + j / 2, &h, sizeof h);
+    }
+}
+
+// pv_tile in pairs: acc_r[0, D) = acc_r * corr[r] + sum_{j < n} p_r[j] v_j (p as numerators_bf16 leaves it,
+// vp as gather_pairs does), D a multiple of TW.
+static inline void pv_pairs(float* acc, const float* corr, const uint32_t* p, const uint32_t* vp, int64_t n,
+                            int64_t D) {
+  for (int64_t d = 0; d < D; d += TW) {
+    __m512 a[PR][NT];
+    for (int r = 0; r < PR; ++r)
+      for (int u = 0; u < NT; ++u)
+        a[r][u] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d + u * VW), _mm512_set1_ps(corr[r]));
+    for (int64_t m = 0; 2 * m < n; ++m) {
+      __m512bh x[NT];
+      for (int u = 0; u < NT; ++u) x[u] = (__m512bh)_mm512_loadu_si512(vp + m * D + d + u * VW);
+      for (int r = 0; r < PR; ++r) {
+        const __m512bh w = pair_bcast(p[r * KB / 2 + m]);
+        for (int u = 0; u < NT; ++u) a[r][u] = _mm512_dpbf16_ps(a[r][u], w, x[u]);
+      }
+    }
+    for (int r = 0; r < PR; ++r)
+      for (int u = 0; u < NT; ++u) _mm512_storeu_ps(acc + r * D + d + u * VW, a[r][u]);
+  }
+}
+constexpr bool PAIR_TILES = true;
+#else
+// Without them no call is made (PAIR_TILES): empty stand-ins keep prefill_impl one code path.
+constexpr bool PAIR_TILES = false;
+static inline void gather_pairs(const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t, int64_t, uint32_t*,
+                                uint32_t*) {}
+static inline void scores_pairs(const uint32_t*, int64_t, const uint32_t*, float*, float) {}
+static inline void numerators_bf16(const float*, int64_t, uint32_t*) {}
+static inline void pv_pairs(float*, const float*, const uint32_t*, const uint32_t*, int64_t, int64_t) {}
+#endif
+
 template <typename T>
 static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                          const torch::Tensor& block_tables, const torch::Tensor& cu_q, const torch::Tensor& k_lens,
@@ -542,6 +644,10 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
     std::vector<float> qf(rows_max * D, 0.f), acc(rows_max * D), m(rows_max), l(rows_max), corr(rows_max);
     std::vector<float> s(rows_max * KB), kt(D * KB), vc(KB * D);
     std::vector<int64_t> pos(rows_max), off(KB);  // off: the gathered keys' (and values') cache offsets
+    // The pair tiles' copies (see gather_pairs): the rows' queries as words, unscaled; keys; values; numerators.
+    const bool pairs = PAIR_TILES && std::is_same_v<T, at::BFloat16> && D % TW == 0;
+    std::vector<uint32_t> q2(pairs ? rows_max * D / 2 : 0), ktp(pairs ? D / 2 * KB : 0), vp(pairs ? KB / 2 * D : 0),
+        pw(pairs ? PR * KB / 2 : 0);
     for (int64_t task; (task = next_task.fetch_add(1)) < num_tasks;) {
       const int64_t c = order[task / Hkv], h = task % Hkv, b = task_seq[c], q0 = task_q0[c];
       const int64_t qn = std::min<int64_t>(QC, cu[b + 1] - q0);
@@ -550,10 +656,15 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
       const int64_t rows = qn * rep, rows_pad = (rows + PR - 1) / PR * PR;
       for (int64_t i = 0; i < rows; ++i) {
         const T* src = qp + ((q0 + i / rep) * Hq + h * rep + i % rep) * D;
+        if (pairs) {
+          std::memcpy(q2.data() + i * D / 2, src, D * sizeof(T));
+          continue;
+        }
         float* dst = qf.data() + i * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
       }
-      std::fill(qf.begin() + rows * D, qf.begin() + rows_pad * D, 0.f);
+      if (pairs) std::fill(q2.begin() + rows * D / 2, q2.begin() + rows_pad * D / 2, 0u);
+      else std::fill(qf.begin() + rows * D, qf.begin() + rows_pad * D, 0.f);
       for (int64_t i = 0; i < rows_pad; ++i) pos[i] = first_pos + (q0 - cu[b]) + std::min(i, rows - 1) / rep;
       std::fill(acc.begin(), acc.begin() + rows_pad * D, 0.f);
       std::fill(m.begin(), m.begin() + rows_pad, ninf);
@@ -564,7 +675,10 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
         // of TW), and the values as rows.
         const int64_t n = std::min(KB, last_pos + 1 - tk), n_tiles = (n + TW - 1) / TW * TW;
         for (int64_t j = 0; j < n; ++j) off[j] = cache.offset(b, tk + j, h);
-        int64_t j = 0;
+        if (pairs)
+          gather_pairs(reinterpret_cast<const at::BFloat16*>(cache.k), reinterpret_cast<const at::BFloat16*>(cache.v),
+                       off.data(), n, D, ktp.data(), vp.data());
+        int64_t j = pairs ? n : 0;  // the fp32 copies below otherwise
 #ifdef RTP_HSUM8X8
         // Eight keys at a time: 8 x 8 blocks of them, transposed in registers. Against scalar stores down
         // kt's columns, the kernel on a 2-core Zen 4 at Qwen3-0.6B's heads: one prompt of 2000 tokens 1.11x fp32,
@@ -585,12 +699,13 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
           const T* kj = cache.k + off[j];
           for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = static_cast<float>(kj[d]);
         }
-        for (j = 0; j < n; ++j) {
+        for (j = pairs ? n : 0; j < n; ++j) {
           const T* vj = cache.v + off[j];
           float* vr = vc.data() + j * D;
           for (int64_t d = 0; d < D; ++d) vr[d] = static_cast<float>(vj[d]);
         }
-        for (int64_t d = 0; d < D; ++d) std::fill(kt.begin() + d * KB + n, kt.begin() + d * KB + n_tiles, 0.f);
+        if (!pairs)
+          for (int64_t d = 0; d < D; ++d) std::fill(kt.begin() + d * KB + n, kt.begin() + d * KB + n_tiles, 0.f);
         // Rows before the first that sees key tk see none of these (positions ascend with the row).
         int64_t r0 = 0;
         while (pos[r0] < tk) ++r0;
@@ -598,7 +713,10 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
           // The tile's rows see the first nt of these keys at most (fewer on the diagonal).
           const int64_t nt = std::min(n, pos[r0 + PR - 1] + 1 - tk);
           float* st0 = s.data() + r0 * KB;
-          for (int64_t j = 0; j < nt; j += TW) scores_tile(qf.data() + r0 * D, D, kt.data() + j, st0 + j);
+          for (int64_t j = 0; j < nt; j += TW) {
+            if (pairs) scores_pairs(q2.data() + r0 * D / 2, D / 2, ktp.data() + j, st0 + j, fscale);
+            else scores_tile(qf.data() + r0 * D, D, kt.data() + j, st0 + j);
+          }
           for (int64_t i = r0; i < r0 + PR; ++i) {
             // Online softmax: keys past the row's position count as exp(-inf) = 0.
             float* si = s.data() + i * KB;
@@ -615,7 +733,12 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
             l[i] = l[i] * corr[i] + sum;
             m[i] = new_m;
           }
-          pv_tile(acc.data() + r0 * D, corr.data() + r0, st0, vc.data(), nt, D);
+          if (pairs) {
+            numerators_bf16(st0, nt, pw.data());
+            pv_pairs(acc.data() + r0 * D, corr.data() + r0, pw.data(), vp.data(), nt, D);
+          } else {
+            pv_tile(acc.data() + r0 * D, corr.data() + r0, st0, vc.data(), nt, D);
+          }
         }
       }
       for (int64_t i = 0; i < rows; ++i) {

@@ -46,10 +46,11 @@ PREFILL_CASES = [c for c in CPU_CASES if not c.decode] + [
     Case("mixed-d128-long", [1, 70, 33, 1], [300, 100, 33, 17], 16, 8, 128, 16),
     # block size 1, MQA, one query chunk ending exactly on 16 queries
     Case("prefill-mqa-bs1", [16, 17], [20, 17], 6, 1, 32, 1),
-    # blocks of 128 (several 64-key chunks in one block), GQA 4:1, head_dim 72 (16-wide tiles, then a tail
+    # blocks of 128 (several 64-key chunks in one block), GQA 4:1, head_dim 72 (whole tiles, then a tail
     # of 8), 150 queries after a prefix of 60 (query chunks of 32 ending mid-tile), a 40-token prompt
     Case("prefill-bs128-d72", [150, 40], [210, 40], 8, 2, 72, 128),
-    # a 64-key chunk over two blocks of 32, head_dim 80, 257 queries past a prefix of 43
+    # a 64-key chunk over two blocks of 32, head_dim 80 (with AVX-512 two 32-wide tiles, then one register),
+    # 257 queries past a prefix of 43
     Case("prefill-d80-bs32", [257, 33], [300, 33], 8, 4, 80, 32),
 ]
 
