@@ -506,6 +506,33 @@ static inline float max_n(const float* s, int64_t n) {
   return mx;
 }
 
+// Keys and values j < n (at cache offsets off[j]) as fp32: the keys transposed into kt [D][KB] (zeros past n up to
+// whole tiles), the values as rows of vc [KB][D].
+template <typename T>
+static inline void gather_floats(const T* kc, const T* vc, const int64_t* off, int64_t n, int64_t D, float* kt,
+                                 float* vr) {
+  const int64_t n_tiles = (n + TW - 1) / TW * TW;
+  int64_t j = 0;
+#ifdef RTP_HSUM8X8
+  // Eight keys at a time: 8 x 8 blocks of them, transposed in registers. Against scalar stores down
+  // kt's columns, the kernel on a 2-core Zen 4 at Qwen3-0.6B's heads: one prompt of 2000 tokens 1.11x fp32,
+  // 1.13x bf16; eight of 36-109 1.16-1.18x.
+  if (D % 8 == 0)
+    for (; j + 8 <= n; j += 8)
+      for (int64_t d = 0; d < D; d += 8) {
+        v8f r[8];
+        for (int u = 0; u < 8; ++u) r[u] = load8(kc + off[j + u] + d);
+        transpose8x8(r);
+        for (int u = 0; u < 8; ++u) store8(kt + (d + u) * KB + j, r[u]);
+      }
+#endif
+  for (; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = static_cast<float>(kc[off[j] + d]);
+  for (int64_t d = 0; d < D; ++d) std::fill(kt + d * KB + n, kt + d * KB + n_tiles, 0.f);
+  for (j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) vr[j * D + d] = static_cast<float>(vc[off[j] + d]);
+}
+
 #if defined(__AVX512BF16__) && defined(RTP_HSUM8X8)
 #define RTP_PAIR_TILES 1
 // bf16 caches on CPUs with AVX-512 BF16, head dims in whole tiles: the same tiles in pair products
@@ -671,41 +698,14 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
       std::fill(l.begin(), l.begin() + rows_pad, 0.f);
       const int64_t last_pos = pos[rows - 1];  // the task's last query sees keys <= it
       for (int64_t tk = 0; tk <= last_pos; tk += KB) {
-        // Keys tk .. tk + n - 1, gathered from their blocks: transposed (zeros past n, up to whole tiles
-        // of TW), and the values as rows.
-        const int64_t n = std::min(KB, last_pos + 1 - tk), n_tiles = (n + TW - 1) / TW * TW;
+        // Keys tk .. tk + n - 1, gathered from their blocks (gather_floats, gather_pairs).
+        const int64_t n = std::min(KB, last_pos + 1 - tk);
         for (int64_t j = 0; j < n; ++j) off[j] = cache.offset(b, tk + j, h);
         if (pairs)
           gather_pairs(reinterpret_cast<const at::BFloat16*>(cache.k), reinterpret_cast<const at::BFloat16*>(cache.v),
                        off.data(), n, D, ktp.data(), vp.data());
-        int64_t j = pairs ? n : 0;  // the fp32 copies below otherwise
-#ifdef RTP_HSUM8X8
-        // Eight keys at a time: 8 x 8 blocks of them, transposed in registers. Against scalar stores down
-        // kt's columns, the kernel on a 2-core Zen 4 at Qwen3-0.6B's heads: one prompt of 2000 tokens 1.11x fp32,
-        // 1.13x bf16; eight of 36-109 1.16-1.18x.
-        if (D % 8 == 0)
-          for (; j + 8 <= n; j += 8) {
-            const T* kr[8];
-            for (int u = 0; u < 8; ++u) kr[u] = cache.k + off[j + u];
-            for (int64_t d = 0; d < D; d += 8) {
-              v8f r[8];
-              for (int u = 0; u < 8; ++u) r[u] = load8(kr[u] + d);
-              transpose8x8(r);
-              for (int u = 0; u < 8; ++u) store8(kt.data() + (d + u) * KB + j, r[u]);
-            }
-          }
-#endif
-        for (; j < n; ++j) {
-          const T* kj = cache.k + off[j];
-          for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = static_cast<float>(kj[d]);
-        }
-        for (j = pairs ? n : 0; j < n; ++j) {
-          const T* vj = cache.v + off[j];
-          float* vr = vc.data() + j * D;
-          for (int64_t d = 0; d < D; ++d) vr[d] = static_cast<float>(vj[d]);
-        }
-        if (!pairs)
-          for (int64_t d = 0; d < D; ++d) std::fill(kt.begin() + d * KB + n, kt.begin() + d * KB + n_tiles, 0.f);
+        else
+          gather_floats(cache.k, cache.v, off.data(), n, D, kt.data(), vc.data());
         // Rows before the first that sees key tk see none of these (positions ascend with the row).
         int64_t r0 = 0;
         while (pos[r0] < tk) ++r0;
