@@ -561,9 +561,9 @@ static inline void gather_pairs(const at::BFloat16* kc, const at::BFloat16* vc, 
     const at::BFloat16* a = vc + off[2 * m];
     const at::BFloat16* b = 2 * m + 1 < n ? vc + off[2 * m + 1] : nullptr;
     for (int64_t d = 0; d < D; d += 16) {
+      // key 2m's value in each word's low half; key 2m + 1's in its high half: the bf16 widened to fp32 (loadv)
       const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
-      const __m512i hi = b == nullptr ? _mm512_setzero_si512()
-          : _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d))), 16);
+      const __m512i hi = b == nullptr ? _mm512_setzero_si512() : (__m512i)loadv(b + d);
       _mm512_storeu_si512(vp + m * D + d, _mm512_or_si512(lo, hi));
     }
   }
@@ -668,11 +668,12 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     // Rows padded to whole tiles (padding rows: zero queries, never written out).
     const int64_t rows_max = (QC * rep + PR - 1) / PR * PR;
-    std::vector<float> qf(rows_max * D, 0.f), acc(rows_max * D), m(rows_max), l(rows_max), corr(rows_max);
-    std::vector<float> s(rows_max * KB), kt(D * KB), vc(KB * D);
+    std::vector<float> acc(rows_max * D), m(rows_max), l(rows_max), corr(rows_max), s(rows_max * KB);
     std::vector<int64_t> pos(rows_max), off(KB);  // off: the gathered keys' (and values') cache offsets
-    // The pair tiles' copies (see gather_pairs): the rows' queries as words, unscaled; keys; values; numerators.
+    // The copies one tile kind reads: fp32 queries (scaled), keys and values (gather_floats), or the pair tiles'
+    // queries as words (unscaled), keys, values (gather_pairs) and numerators.
     const bool pairs = PAIR_TILES && std::is_same_v<T, at::BFloat16> && D % TW == 0;
+    std::vector<float> qf(pairs ? 0 : rows_max * D), kt(pairs ? 0 : D * KB), vc(pairs ? 0 : KB * D);
     std::vector<uint32_t> q2(pairs ? rows_max * D / 2 : 0), ktp(pairs ? D / 2 * KB : 0), vp(pairs ? KB / 2 * D : 0),
         pw(pairs ? PR * KB / 2 : 0);
     for (int64_t task; (task = next_task.fetch_add(1)) < num_tasks;) {
