@@ -91,10 +91,27 @@ typedef float vf __attribute__((vector_size(64)));
 static inline vf loadv(const at::BFloat16* p) {
   return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
 }
+// exp8's steps over a whole register, 2^n applied by vscalefps: 0 below the float range, +inf above it (x is
+// clamped to [-104, 100] first, a NaN kept).
+static inline vf expv(vf xv) {
+  const __m512 x = _mm512_min_ps(_mm512_set1_ps(100.f), _mm512_max_ps(_mm512_set1_ps(-104.f), (__m512)xv));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500E-4f), r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return (vf)_mm512_scalef_ps(p, n);
+}
 #else
 constexpr int VW = 8;
 typedef v8f vf;
 static inline vf loadv(const at::BFloat16* p) { return load8(p); }
+static inline vf expv(vf x) { return exp8(x); }
 #endif
 static inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
