@@ -9,8 +9,9 @@ starts. The client is vLLM's serving benchmark (``vllm bench serve``'s code, ran
 EOS ignored; it runs from ``--vllm-python``'s venv) with ``--client vllm``, else rtp's own load
 generator below (the same workload: random token-id prompts of ``--input-len``, ``--output-len``
 tokens, EOS ignored, streamed, requests sent at ``--request-rate`` per second, Poisson, or all at
-once with ``inf``). Printed per server: output tok/s, mean TTFT, mean TPOT (per request:
-(last token - first token) / (tokens - 1)), failed requests, and the ratios rtp / vLLM.
+once with ``inf``). Both clients send ``--temperature`` (default 1.0, the OpenAI API's default: sampled;
+0 for greedy). Printed per server: output tok/s, mean TTFT, mean TPOT (per request: (last token - first
+token) / (tokens - 1)), failed requests, and the ratios rtp / vLLM.
 
 vLLM's server is ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_CPU_KVCACHE_SPACE``
 (GiB, ``--kv-gib``; rtp gets a cache of the same size, split over its ranks) and
@@ -154,7 +155,8 @@ def run_vllm_client(python: str, base_url: str, model: str, served: str, args: a
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", served, "--tokenizer", model,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-           "--request-rate", str(args.request_rate), "--ignore-eos", "--seed", str(args.seed),
+           "--request-rate", str(args.request_rate), "--temperature", str(args.temperature), "--ignore-eos",
+           "--seed", str(args.seed),
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm"]
     proc = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True, timeout=args.client_timeout)
     if proc.returncode != 0:
@@ -166,9 +168,9 @@ def run_vllm_client(python: str, base_url: str, model: str, served: str, args: a
 
 
 async def _one_request(client: httpx.AsyncClient, served: str, prompt: list[int], output_len: int,
-                       stats: dict[str, list]) -> None:
-    body = {"model": served, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+                       temperature: float, stats: dict[str, list]) -> None:
+    body = {"model": served, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = last = None
     tokens = 0
@@ -204,7 +206,7 @@ async def _one_request(client: httpx.AsyncClient, served: str, prompt: list[int]
 
 
 async def _load(base_url: str, served: str, prompts: list[list[int]], output_len: int, rate: float,
-                seed: int) -> tuple[dict[str, list], float]:
+                seed: int, temperature: float) -> tuple[dict[str, list], float]:
     stats: dict[str, list] = {"ttft": [], "tpot": [], "tokens": [], "errors": []}
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
@@ -212,7 +214,8 @@ async def _load(base_url: str, served: str, prompts: list[list[int]], output_len
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:
-            tasks.append(asyncio.ensure_future(_one_request(client, served, prompt, output_len, stats)))
+            tasks.append(asyncio.ensure_future(_one_request(client, served, prompt, output_len, temperature,
+                                                            stats)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
@@ -230,7 +233,8 @@ def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]
 
 def run_rtp_client(base_url: str, served: str, vocab: int, args: argparse.Namespace, label: str) -> Result:
     prompts = random_prompts(vocab, args.num_prompts, args.input_len, args.seed)
-    stats, elapsed = asyncio.run(_load(base_url, served, prompts, args.output_len, args.request_rate, args.seed))
+    stats, elapsed = asyncio.run(_load(base_url, served, prompts, args.output_len, args.request_rate, args.seed,
+                                       args.temperature))
     return Result(label, sum(stats["tokens"]) / elapsed, _mean_ms(stats["ttft"]), _mean_ms(stats["tpot"]),
                   len(stats["tokens"]), len(stats["errors"]), {"errors": stats["errors"][:5]})
 
@@ -238,7 +242,7 @@ def run_rtp_client(base_url: str, served: str, vocab: int, args: argparse.Namesp
 def warm_up(base_url: str, served: str, vocab: int, args: argparse.Namespace) -> None:
     """A few short requests, so that kernel builds, first compiles and allocator growth are not measured."""
     prompts = random_prompts(vocab, 4, args.input_len, args.seed + 1)
-    asyncio.run(_load(base_url, served, prompts, 8, float("inf"), args.seed))
+    asyncio.run(_load(base_url, served, prompts, 8, float("inf"), args.seed, args.temperature))
 
 
 # ---------------------------------------------------------------------------- driver
@@ -265,8 +269,9 @@ def bench_one(name: str, server: ServerProcess, base_url: str, model: str, serve
 
 
 def print_table(results: list[Result], args: argparse.Namespace) -> None:
+    client = "vllm bench serve" if args.client == "vllm" else "rtp load generator"
     print(f"\n{args.num_prompts} prompts, {args.input_len} in / {args.output_len} out tokens, request rate "
-          f"{args.request_rate}, client: {'vllm bench serve' if args.client == 'vllm' else 'rtp load generator'}")
+          f"{args.request_rate}, temperature {args.temperature}, client: {client}")
     print(f"{'server':<14} {'output tok/s':>12} {'mean TTFT ms':>13} {'mean TPOT ms':>13} {'done':>6} {'failed':>7}")
     for r in results:
         print(f"{r.engine:<14} {r.output_tok_s:>12.1f} {r.mean_ttft_ms:>13.1f} {r.mean_tpot_ms:>13.2f} "
@@ -297,6 +302,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: at once)")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="every request's temperature (default 1.0, the OpenAI API's; 0: greedy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-gib", "--vllm-kv-gib", dest="kv_gib", type=int, default=2,
                     help="KV cache of each server in GiB: vLLM's VLLM_CPU_KVCACHE_SPACE, rtp's cpu_kv_cache_gib x TP")
