@@ -202,19 +202,15 @@ static inline void store_row(at::BFloat16* y, const float* acc, int64_t n) {
 }
 
 // y[j] = silu(g[j]) * u[j] for n outputs of one row from the fp32 sums of its gate and up columns, rounded
-// to Y wherever the unfused path (the product stored in Y, then silu_and_mul in Y) rounds: the same steps
-// (exp8's polynomial may be contracted into FMAs differently in the two builds: a last-bit difference).
-static inline v8f round_as(v8f v, const float*) { return v; }
-static inline v8f round_as(v8f v, const at::BFloat16*) {
-  const v8u u = bf16_bits(v);
-  v8f r; std::memcpy(&r, &u, sizeof r); return r;
-}
+// to Y wherever the unfused path (the product stored in Y, then silu_and_mul in Y) rounds: the same steps in
+// whole registers (expv's polynomial may be contracted into FMAs differently in the two builds: a last-bit
+// difference).
 template <typename Y>
 static inline void store_silu_mul(Y* y, const float* g, const float* u, int64_t n) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const v8f gv = round_as(load8(g + j), y);
-    store8(y + j, round_as(gv / (1.f + exp8(-gv)), y) * round_as(load8(u + j), y));
+  for (; j + VW <= n; j += VW) {
+    const vf gv = round_v<Y>(loadv(g + j));
+    storev(y + j, round_v<Y>(gv / (1.f + expv(-gv))) * round_v<Y>(loadv(u + j)));
   }
   for (; j < n; ++j) {
     const float gv = static_cast<float>(static_cast<Y>(g[j])), uv = static_cast<float>(static_cast<Y>(u[j]));

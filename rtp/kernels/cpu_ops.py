@@ -183,17 +183,6 @@ std::vector<torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch:
   return {qo, ko};
 }
 
-template <typename T> static inline v8f round8(v8f v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-    const v8u u = bf16_bits(v);
-    v8f r; std::memcpy(&r, &u, sizeof r); return r;
-  } else {
-    T t[8]; store8(t, v); return load8(t);
-  }
-}
-
 template <typename T>
 static void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& y) {
   const int64_t rows = x.size(0), n = x.size(1) / 2, ldx = x.stride(0);
@@ -205,10 +194,10 @@ static void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& y) {
       const T* up = gate + n;
       T* out = yp + r * n;
       int64_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        const v8f g = load8(gate + i);
-        const v8f s = round8<T>(g / (1.f + exp8(-g)));  // silu(g) = g / (1 + exp(-g)), in T (as torch)
-        store8(out + i, s * load8(up + i));
+      for (; i + VW <= n; i += VW) {
+        const vf g = loadv(gate + i);
+        const vf s = round_v<T>(g / (1.f + expv(-g)));  // silu(g) = g / (1 + exp(-g)), in T (as torch)
+        storev(out + i, s * loadv(up + i));
       }
       for (; i < n; ++i) {
         const float g = to_f(gate[i]);

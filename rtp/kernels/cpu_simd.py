@@ -120,6 +120,36 @@ template <typename T> static inline vf loadv(const T* p) {
   for (int j = 0; j < VW; ++j) f[j] = static_cast<float>(p[j]);
   return loadv(f);
 }
+// A whole register stored as T: bf16 rounded to nearest even (bf16_bits), any other type lane by lane; and
+// rounded to T's precision in place (round_v: what storing as T and loading back gives).
+#if defined(__AVX512F__)
+typedef uint32_t vu __attribute__((vector_size(64)));
+static inline vu bf16_bits(vf v) {
+  vu u; std::memcpy(&u, &v, sizeof u);
+  const vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (vu)(v == v) ? rounded : vu{} + 0x7FC00000u;
+}
+static inline void storev(at::BFloat16* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)(bf16_bits(v) >> 16)));
+}
+#else
+static inline void storev(at::BFloat16* p, vf v) { store8(p, v); }
+#endif
+template <typename T> static inline void storev(T* p, vf v) {
+  float f[VW];
+  storev(f, v);
+  for (int j = 0; j < VW; ++j) p[j] = static_cast<T>(f[j]);
+}
+template <typename T> static inline vf round_v(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const auto u = bf16_bits(v);
+    vf r; std::memcpy(&r, &u, sizeof r); return r;
+  } else {
+    T t[VW]; storev(t, v); return loadv(t);
+  }
+}
 
 static inline float hsum8(v8f v) {
   float s = 0.f;
