@@ -236,6 +236,9 @@ class ServerConfig(Section):
     api_processes: int | None = setting(None, integer(0, 64, nullable=True))
     """HTTP frontend processes (vLLM's --api-server-count), 0..64: 0 serves HTTP in rank 0's own process,
     N >= 1 runs N frontends beside rank 0's engine loop; None: 1 (as vLLM)."""
+    log_stats_interval_s: float = setting(10.0, number("a number in [0, 86400]", lambda v: 0.0 <= v <= 86400.0))
+    """Seconds between the engine's activity lines in the log (prefill and generated tokens a second, running and
+    waiting requests, KV cache use, prefix cache hits, preemptions), written for intervals with work; 0: none."""
     data_parallel_routing: str = setting("cache_aware", choice("cache_aware", "round_robin"))
     """With data_parallel_size > 1: "cache_aware" sends a request to the replica most likely to hold its prompt's
     prefix, balanced against the replicas' loads (rtp/server/router.py); "round_robin" ignores the caches."""

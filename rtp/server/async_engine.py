@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from rtp.errors import RequestError, RtpError, WorkerDiedError
 from rtp.log import get_logger
 from rtp.outputs import RequestOutput, snapshot
 from rtp.sampling import SamplingParams
+from rtp.server.activity import ActivityLog
 
 logger = get_logger(__name__)
 
@@ -143,8 +145,9 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: SyncEngine, idle_wait_s: float = 1.0,
-                 step: Callable[[], list[RequestOutput]] | None = None) -> None:
+                 step: Callable[[], list[RequestOutput]] | None = None, log_stats_interval_s: float = 0.0) -> None:
         self.engine = engine
+        self.activity = ActivityLog(log_stats_interval_s, time.monotonic())  # written by the engine thread
         # Runtime.step by default in the server: it turns a failed collective into an error naming the dead rank.
         self._step = step  # None: engine.step, looked up at each step
         self.idle_wait_s = idle_wait_s
@@ -280,11 +283,14 @@ class AsyncEngine:
             while not self._stop.is_set():
                 # Clear before checking, so a request added after the check still wakes us.
                 self._wake.clear()
+                if self.activity.due(now := time.monotonic()):
+                    self.activity.log(self.stats, now)
                 if self.failure is not None or not self.engine.has_unfinished():
                     self._wake.wait(self.idle_wait_s)
                     continue
                 outputs = self._step() if self._step is not None else self.engine.step()
                 self.stats = dict(self.engine.stats())
+                self.activity.count(outputs)
                 for out in outputs:
                     self._deliver(out)
         except BaseException as e:  # noqa: BLE001 - a crashed engine thread must fail every client

@@ -54,6 +54,7 @@ from rtp.distributed.liveness import exit_deadline
 from rtp.errors import RequestError, WorkerDiedError
 from rtp.log import get_logger
 from rtp.outputs import RequestOutput
+from rtp.server.activity import ActivityLog
 from rtp.server.frontend_procs import FrontendLink, spawn_frontends
 from rtp.server.frontend_procs import metrics_dir as new_metrics_dir
 from rtp.server.frontend_wire import EngineRequest, Kind, decode_abort, encode_hello, frame
@@ -100,6 +101,7 @@ class EngineLoop:
         self._compiling: dict[str, bool] = {}  # request id -> still wanted (False once aborted)
         self._late_errors: list[tuple[FrontendLink, int, str]] = []  # from the grammar thread
         self._last_stats = 0.0
+        self.activity = ActivityLog(runtime.config.server.log_stats_interval_s, time.monotonic())
 
     # ---- the run ----
 
@@ -192,6 +194,8 @@ class EngineLoop:
         while True:
             self._poll(0.0 if busy else 0.5)
             self._check_procs()
+            if self.activity.due(now := time.monotonic()):
+                self.activity.log(engine.stats(), now)
             if self.failure is not None:
                 self.exit_code = 1
                 return
@@ -300,6 +304,7 @@ class EngineLoop:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """One OUTPUTS frame per frontend with changed requests, from this step's outputs."""
+        self.activity.count(outputs)
         owners = self.owners
         for out in outputs:
             owner = owners.get(out.request_id)

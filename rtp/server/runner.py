@@ -158,7 +158,7 @@ def run_server(runtime: Runtime, sock: socket.socket | None = None, access_log: 
             return EngineLoop(runtime, sock, frontends, socket_url(sock), access_log).run()
         finally:
             sock.close()
-    engine = AsyncEngine(runtime.engine, step=runtime.step)
+    engine = AsyncEngine(runtime.engine, step=runtime.step, log_stats_interval_s=server_cfg.log_stats_interval_s)
     app = build_app(engine, config, info)
     route_uvicorn_logs()
     uv_config = uvicorn.Config(

@@ -29,6 +29,7 @@ from tests.utils import REPO, rank_pids
 pytestmark = pytest.mark.slow
 
 GRACE_S = 4.0  # server.shutdown_grace_s of the test servers
+STATS_S = 1.0  # server.log_stats_interval_s of the test servers
 API_KEY = "test-key-123"
 PROMPTS = ["The quick brown fox", "Once upon a time", "What time is it?"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
@@ -93,6 +94,7 @@ def servers(tmp_path_factory):
         f"model: {default_model_dir()}\n"  # the random tiny model (the default is the trained one)
         "device: cpu\ndtype: float32\nblock_size: 16\nmax_num_seqs: 64\nmax_num_batched_tokens: 2048\n"
         f"cpu_kv_cache_gib: 0.25\nenforce_eager: true\nlog_level: INFO\nserver:\n  shutdown_grace_s: {GRACE_S}\n"
+        f"  log_stats_interval_s: {STATS_S}\n"
     )
     # The plain server serves HTTP in rank 0's process, the keyed one from an API frontend process
     # (so the key, the metrics and the SIGTERM to torchrun are checked across the process split too).
@@ -245,6 +247,30 @@ def test_api_key_is_enforced(servers):
                                  extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4
     assert metric(keyed.url, "rtp_generation_tokens_total", good) == before + 4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["plain", "keyed"])  # the engine thread in rank 0's process, and EngineLoop
+def test_the_log_says_what_the_engine_did(servers, name):
+    srv = servers[name]
+    headers = {"Authorization": f"Bearer {API_KEY}"} if name == "keyed" else {}
+    line = re.compile(r"prefill ([\d.]+) tok/s, generation ([\d.]+) tok/s, running (\d+), waiting (\d+), "
+                      r"KV cache ([\d.]+)%, prefix cache hits (\S+), preemptions (\d+)")
+    seen = len(line.findall(srv.text()))
+    r = httpx.post(srv.url + "/v1/completions", headers=headers, timeout=60,
+                   json={"prompt": "The log", "max_tokens": 48, "ignore_eos": True, "temperature": 0.0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 48
+    deadline = time.monotonic() + 4 * STATS_S + 5
+    while len(lines := line.findall(srv.text())) == seen:
+        assert time.monotonic() < deadline, f"no activity line in the {name} server's log:\n{srv.text()[-3000:]}"
+        time.sleep(0.2)
+    new = lines[seen:]
+    assert sum(float(g) for _, g, *_ in new) > 0  # the 48 tokens were generated in these intervals
+    assert sum(float(p) for p, *_ in new) > 0  # and the prompt computed
+    time.sleep(3 * STATS_S)  # idle intervals write no line
+    quiet = len(line.findall(srv.text()))
+    time.sleep(2 * STATS_S)
+    assert len(line.findall(srv.text())) == quiet
 
 
 # ---------------------------------------------------------------------------- shutdown (keep these last)
