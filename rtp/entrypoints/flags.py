@@ -142,6 +142,8 @@ SERVER_FLAGS: tuple[Flag, ...] = (
          'allow tool_choice "auto", the default with tools; needs --tool-call-parser'),
     Flag("server.api_processes", ("--api-server-count", "--api-processes"), int,
          "HTTP frontend processes beside the engine; 0 serves HTTP in rank 0's process (default: by core count)"),
+    Flag("server.log_stats_interval_s", ("--log-stats-interval",), float,
+         "seconds between the engine's activity lines in the log (throughput, requests, KV cache); 0: none"),
     Flag("server.data_parallel_routing", ("--data-parallel-routing",), str,
          "with --data-parallel-size > 1: cache_aware (the replica holding the prompt's prefix, balanced by load) "
          "or round_robin", ("cache_aware", "round_robin")),

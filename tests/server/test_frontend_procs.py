@@ -43,7 +43,8 @@ def test_a_signal_during_a_send_to_a_frontend_stops_the_loop_without_deadlock():
     from rtp.server.frontend_procs import FrontendLink
     from rtp.server.frontend_wire import FrameReader, Kind
 
-    runtime = SimpleNamespace(engine=None, config=SimpleNamespace(server=SimpleNamespace(shutdown_grace_s=4.0)),
+    server = SimpleNamespace(shutdown_grace_s=4.0, log_stats_interval_s=0.0)
+    runtime = SimpleNamespace(engine=None, config=SimpleNamespace(server=server),
                               report_lost_peer=lambda: False)  # every rank alive
     loop = EngineLoop(runtime, None, 1, "", False)  # type: ignore[arg-type]
     ours, theirs = socket.socketpair()
@@ -87,7 +88,8 @@ def test_a_signal_after_a_rank_was_lost_fails_the_frontends_instead_of_draining_
         loop._on_runtime_failure(cause)
         return True
 
-    runtime = SimpleNamespace(engine=None, config=SimpleNamespace(server=SimpleNamespace(shutdown_grace_s=4.0)),
+    server = SimpleNamespace(shutdown_grace_s=4.0, log_stats_interval_s=0.0)
+    runtime = SimpleNamespace(engine=None, config=SimpleNamespace(server=server),
                               report_lost_peer=report_lost_peer)
     loop = EngineLoop(runtime, None, 1, "", False)  # type: ignore[arg-type]
     ours, theirs = socket.socketpair()
