@@ -77,8 +77,11 @@ struct Index {
 // Rows per task: below ~16K elements a second thread costs more than it saves.
 static inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
+// y = norm(x) row by row; with a residual (res non-null): s = round_T(x + res) is written to ``sum``
+// first and normalised instead (the decoder layer's residual add, fused: HF adds in the activation dtype).
 template <typename T, typename W>
-static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y, float eps) {
+static void rms_norm_impl(const torch::Tensor& x, const T* res, int64_t ldr, const torch::Tensor& w, torch::Tensor& y,
+                          T* sum, float eps) {
   const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0);
   const T* xp = x.data_ptr<T>();
   const W* wp = w.data_ptr<W>();
@@ -86,25 +89,55 @@ static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, torch:
   at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
     std::vector<float> tmp(n);
     for (int64_t r = b; r < e; ++r) {
-      norm_row(xp + r * ldx, wp, tmp.data(), n, eps);
+      const T* src = xp + r * ldx;
+      if (res != nullptr) {
+        T* s = sum + r * n;
+        for (int64_t i = 0; i < n; ++i) s[i] = from_f<T>(to_f(src[i]) + to_f(res[r * ldr + i]));
+        src = s;
+      }
+      norm_row(src, wp, tmp.data(), n, eps);
       for (int64_t i = 0; i < n; ++i) yp[r * n + i] = from_f<T>(tmp[i]);
     }
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  // x: [T, n] (rows may be strided; last dim contiguous); w: [n] -> [T, n] contiguous, x's dtype.
+template <typename T>
+static void rms_norm_typed(const torch::Tensor& x, const torch::Tensor* res, const torch::Tensor& w,
+                           torch::Tensor& y, torch::Tensor* sum, float eps) {
+  const T* rp = res != nullptr ? res->data_ptr<T>() : nullptr;
+  const int64_t ldr = res != nullptr ? res->stride(0) : 0;
+  rms_norm_impl<T, T>(x, rp, ldr, w, y, sum != nullptr ? sum->data_ptr<T>() : nullptr, eps);
+}
+
+static void rms_norm_any(const torch::Tensor& x, const torch::Tensor* res, const torch::Tensor& w, torch::Tensor& y,
+                         torch::Tensor* sum, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
               "rms_norm: x must be [T, n] with a contiguous last dim and w [n]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and w must have one dtype");
-  auto y = torch::empty({x.size(0), x.size(1)}, x.options());
   pybind11::gil_scoped_release no_gil;
-  const auto xt = x.scalar_type(), wt = w.scalar_type();
-  if (xt == at::kFloat && wt == at::kFloat) rms_norm_impl<float, float>(x, w, y, (float)eps);
-  else if (xt == at::kBFloat16 && wt == at::kBFloat16) rms_norm_impl<at::BFloat16, at::BFloat16>(x, w, y, (float)eps);
-  else if (xt == at::kHalf && wt == at::kHalf) rms_norm_impl<at::Half, at::Half>(x, w, y, (float)eps);
+  const auto xt = x.scalar_type();
+  if (xt == at::kFloat) rms_norm_typed<float>(x, res, w, y, sum, (float)eps);
+  else if (xt == at::kBFloat16) rms_norm_typed<at::BFloat16>(x, res, w, y, sum, (float)eps);
+  else if (xt == at::kHalf) rms_norm_typed<at::Half>(x, res, w, y, sum, (float)eps);
   else TORCH_CHECK(false, "rms_norm: unsupported dtypes");
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  // x: [T, n] (rows may be strided; last dim contiguous); w: [n] -> [T, n] contiguous, x's dtype.
+  auto y = torch::empty({x.size(0), x.size(1)}, x.options());
+  rms_norm_any(x, nullptr, w, y, nullptr, eps);
   return y;
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  // x, residual: [T, n] of one dtype (last dims contiguous); w: [n] -> (norm(x + residual), x + residual), both
+  // [T, n] contiguous in x's dtype.
+  TORCH_CHECK(residual.dim() == 2 && residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
+              residual.scalar_type() == x.scalar_type(), "add_rms_norm: x and residual must be [T, n] of one dtype");
+  auto y = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto sum = torch::empty({x.size(0), x.size(1)}, x.options());
+  rms_norm_any(x, &residual, w, y, &sum, eps);
+  return {y, sum};
 }
 
 // One head: y = rope(round_T(norm(x))), rotate-half layout; cos/sin rows of D/2 values (fp32). No weight
@@ -246,7 +279,7 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 @functools.lru_cache(maxsize=1)
 def load() -> ModuleType | None:
     """Build (first use) and import the kernels; None where they cannot be built."""
-    return build("cpu_ops", _SOURCE, ["rms_norm", "qk_norm_rope", "silu_and_mul", "store_kv"])
+    return build("cpu_ops", _SOURCE, ["rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul", "store_kv"])
 
 
 def available() -> bool:
@@ -266,6 +299,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() == 2:  # the hidden states' shape: skip the reshapes (a few us each at decode shapes)
         return _module().rms_norm(x, weight, eps)
     return _module().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` for ``x, residual [T, n]`` of one dtype (the sum rounded to it,
+    as torch adds), in one pass; both new contiguous tensors."""
+    y, total = _module().add_rms_norm(x, residual, weight, eps)
+    return y, total
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,

@@ -33,6 +33,15 @@ class RMSNorm(nn.Module):
             return cpu_ops.rms_norm(x, self.weight, self.eps)
         return self.reference(x)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: a decoder layer's residual add and the norm after it, one C++
+        pass on CPU (the sum rounded to the activation dtype, as torch adds)."""
+        if (_on_cpu(x) and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1
+                and self.weight.dtype == x.dtype == residual.dtype):
+            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        total = residual + x
+        return self(total), total
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The torch computation (what the CPU kernel matches)."""
         dtype = x.dtype

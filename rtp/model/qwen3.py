@@ -135,9 +135,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = mlp  # Qwen3MLP, or a sparse MoE block in Qwen3-MoE
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]``: the previous layer's MLP output, to add to the residual stream ``residual`` (None:
+        ``x`` is the stream itself, as entering the first layer). Returns this layer's MLP output and the stream
+        it is still to be added to: the adds are fused into the next norms (:meth:`RMSNorm.add`)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(positions, h, meta), residual)
+        return self.mlp(h), residual
 
 
 class OtherStage(nn.Module):
@@ -182,11 +190,14 @@ class Qwen3Model(nn.Module):
             x = hidden
         layers = self.layers
         taken: dict[int, torch.Tensor] = {}
+        residual = None  # the residual stream is residual + x (x alone before the first layer)
         for i in self.layer_range:
             if i in aux_layers:
-                taken[i] = x
-            x = layers[i](positions, x, meta)
-        return (self.norm(x) if self.norm is not None else x), [taken[i] for i in aux_layers]
+                taken[i] = x if residual is None else residual + x
+            x, residual = layers[i](positions, x, meta, residual)
+        assert residual is not None, "a stage holds at least one layer"
+        out = self.norm.add(x, residual)[0] if self.norm is not None else residual + x
+        return out, [taken[i] for i in aux_layers]
 
 
 class Qwen3ForCausalLM(nn.Module):

@@ -48,6 +48,32 @@ def test_rms_norm_matches_torch(dtype: torch.dtype, rows: int, width: int) -> No
     _close(norm(x.view(1, rows, width)), norm.reference(x).view(1, rows, width), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 8), (24, 512), (7, 100), (300, 1024)])
+def test_add_rms_norm_matches_torch(dtype: torch.dtype, rows: int, width: int) -> None:
+    """The residual add fused into the norm: the sum exactly as torch's add (one rounding to the dtype), the
+    norm of it as the reference; strided rows of either input too."""
+    gen = torch.Generator().manual_seed(rows * width)
+    norm = RMSNorm(width, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(width, generator=gen).to(dtype)
+    residual = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+    x = torch.randn(rows, width + 16, generator=gen).to(dtype)[:, 8:8 + width]  # strided rows
+    got, total = norm.add(x, residual)
+    assert torch.equal(total, residual + x)
+    _close(got, norm.reference(residual + x), dtype)
+    got2, total2 = norm.add(residual, x)  # the strided one as the residual
+    assert torch.equal(total2, total)
+    _close(got2, got, dtype)
+
+
+def test_add_rms_norm_leaves_its_inputs() -> None:
+    norm = RMSNorm(32, 1e-6)
+    x, residual = torch.randn(4, 32), torch.randn(4, 32)
+    x0, r0 = x.clone(), residual.clone()
+    norm.add(x, residual)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+
+
 def test_rms_norm_fp32_against_float64() -> None:
     x = torch.randn(16, 1024, dtype=torch.float64)
     w = torch.randn(1024, dtype=torch.float64)
@@ -137,7 +163,7 @@ def test_store_kv_refuses_a_slot_outside_the_cache() -> None:
 def test_the_model_ops_take_the_kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The comparisons above go through the modules: make sure those really run the C++ kernels on CPU."""
     calls: list[str] = []
-    for name in ("rms_norm", "qk_norm_rope", "silu_and_mul", "store_kv", "rope"):
+    for name in ("rms_norm", "qk_norm_rope", "silu_and_mul", "store_kv", "rope", "add_rms_norm"):
         real = getattr(cpu_ops, name)
         monkeypatch.setattr(cpu_ops, name, lambda *a, _n=name, _f=real, **kw: (calls.append(_n), _f(*a, **kw))[1])
     norm = RMSNorm(16, 1e-6)
@@ -148,7 +174,8 @@ def test_the_model_ops_take_the_kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) 
     cache = torch.zeros(2, 2, 1, 16)
     store_kv(torch.randn(3, 1, 16), torch.randn(3, 1, 16), cache, cache.clone(), torch.tensor([0, 1, 2]))
     rotary(torch.arange(3), torch.randn(3, 2, 16), torch.randn(3, 1, 16))
-    assert calls == ["rms_norm", "silu_and_mul", "qk_norm_rope", "store_kv", "rope"]
+    norm.add(torch.randn(3, 16), torch.randn(3, 16))
+    assert calls == ["rms_norm", "silu_and_mul", "qk_norm_rope", "store_kv", "rope", "add_rms_norm"]
 
 
 def test_rms_norm_with_an_fp32_weight_keeps_the_references_dtype() -> None:
