@@ -480,8 +480,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
     Through block maxima: on CPUs ``amax`` vectorises and ``argmax`` does not, so this is about
     3x faster at Qwen3's vocabulary; the first block holding the row's maximum, then the first
-    index of it inside that block, is exactly the first index of the maximum.
+    index of it inside that block, is exactly the first index of the maximum. On CPU the C++ kernel
+    (:func:`rtp.kernels.cpu_sampling.argmax_rows`) takes float32 and bf16 rows in one pass.
     """
+    found = cpu_sampling.argmax_rows(x)
+    if found is not None:
+        return found
     xb = _blocks(x, float("-inf"))  # [R, nb, BLOCK]
     block_max = xb.amax(dim=-1)  # [R, nb]
     first = (block_max == block_max.amax(dim=-1, keepdim=True)).to(torch.uint8).argmax(dim=-1)  # [R]
@@ -544,10 +548,31 @@ def draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torc
 
 
 def _draw_filtered(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """Column of ``x`` drawn for each row: :func:`filter_logits`, softmax, :func:`inverse_cdf_sample`."""
-    filtered = filter_logits(x, temperatures=[p.temperature for p in params], top_ks=[p.top_k for p in params],
+    """Column of ``x`` drawn for each row: :func:`filter_logits`, then a draw from the softmax.
+
+    On CPU the draw is one C++ pass (:func:`rtp.kernels.cpu_sampling.draw_rows`: no probabilities written;
+    rows with no filter but the temperature are scaled in it too), elsewhere softmax and
+    :func:`inverse_cdf_sample`. At Qwen3's vocabulary, 32 rows at temperature 1.0: 2.7 -> 0.4 ms a step.
+    """
+    temps = [p.temperature for p in params]
+    vocab = x.shape[1]
+    if all(not 0 < p.top_k < vocab and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+        tokens = cpu_sampling.draw_rows(x, u, temps)
+        if tokens is not None:
+            return _argmax_where_undrawn(tokens, x)
+    filtered = filter_logits(x, temperatures=temps, top_ks=[p.top_k for p in params],
                              top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params])
-    return inverse_cdf_sample(torch.softmax(filtered, dim=-1), u)
+    tokens = cpu_sampling.draw_rows(filtered, u)
+    if tokens is None:
+        return inverse_cdf_sample(torch.softmax(filtered, dim=-1), u)
+    return _argmax_where_undrawn(tokens, filtered)
+
+
+def _argmax_where_undrawn(tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's tokens, with the argmax of ``x`` in the rows it could not draw from (-1: a NaN or +inf
+    logit; the rows of a dead mask end with EOS before this)."""
+    undrawn = tokens < 0
+    return torch.where(undrawn, argmax_rows(x), tokens) if bool(undrawn.any()) else tokens
 
 
 def top_k_candidates(x: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

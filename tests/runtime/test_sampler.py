@@ -339,7 +339,10 @@ def test_no_global_rng_use_and_no_input_mutation() -> None:
 
 
 @pytest.mark.parametrize("vocab", [1, 50, 128, 300, 1000])
-def test_argmax_rows_is_argmax(vocab: int) -> None:
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
+def test_argmax_rows_is_argmax(vocab: int, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not kernel:  # the blocked torch code other devices run
+        monkeypatch.setattr(sampler_module.cpu_sampling, "argmax_rows", lambda x: None)
     gen = torch.Generator().manual_seed(15)
     x = torch.randn(12, vocab, generator=gen)
     x[::3, vocab // 2] = 9.0
@@ -374,9 +377,17 @@ def test_inverse_cdf_sample_walks_the_cdf_exactly() -> None:
     SamplingParams(temperature=1.3, top_p=0.7),
     SamplingParams(temperature=1.0, top_k=100, top_p=0.9, min_p=0.05),
 ])
-def test_chi_square_over_several_blocks(params: SamplingParams) -> None:
-    """Frequencies of 30000 draws over a 1000-token vocabulary follow the filtered target distribution."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
+def test_chi_square_over_several_blocks(params: SamplingParams, kernel: bool, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    """Frequencies of 30000 draws over a 1000-token vocabulary follow the filtered target distribution: through
+    the CPU's C++ draw, and through the torch path (softmax and inverse_cdf_sample) other devices take."""
+    calls = []
+    real = sampler_module.cpu_sampling.draw_rows
+    monkeypatch.setattr(sampler_module.cpu_sampling, "draw_rows",
+                        lambda *a: (calls.append(1), real(*a) if kernel else None)[1])
     assert_draws_follow_target(params, vocab=1000)
+    assert calls  # the kernel was asked (and answered, or not)
 
 
 @pytest.mark.parametrize("params", [
