@@ -7,7 +7,8 @@
 Each server is started, warmed up with a few requests, measured, and stopped before the next one
 starts. The client is vLLM's serving benchmark (``vllm bench serve``'s code, random dataset, streaming,
 EOS ignored; it runs from ``--vllm-python``'s venv) with ``--client vllm``, else rtp's own load
-generator below (the same workload: random token-id prompts of ``--input-len``, ``--output-len``
+generator below (the same workload: random token-id prompts of ``--input-len``, after a ``--prefix-len``
+prefix they all share (0 by default; a system prompt, served from the prefix cache), ``--output-len``
 tokens, EOS ignored, streamed, requests sent at ``--request-rate`` per second, Poisson, or all at
 once with ``inf``). Both clients send ``--temperature`` (default 1.0, the OpenAI API's default: sampled;
 0 for greedy). Printed per server: output tok/s, mean TTFT, mean TPOT (per request: (last token - first
@@ -154,6 +155,7 @@ def run_vllm_client(python: str, base_url: str, model: str, served: str, args: a
     cmd = [python, "-c", _VLLM_BENCH, "--backend", "openai",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", served, "--tokenizer", model,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-prefix-len", str(args.prefix_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
            "--request-rate", str(args.request_rate), "--temperature", str(args.temperature), "--ignore-eos",
            "--seed", str(args.seed),
@@ -226,13 +228,15 @@ def _mean_ms(xs: list[float]) -> float:
     return statistics.fmean(xs) * 1000 if xs else float("nan")
 
 
-def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+def random_prompts(vocab: int, n: int, length: int, seed: int, prefix_len: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``prefix_len`` tokens every one shares, then ``length`` random ones of its own."""
     rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+    prefix = [rng.randrange(vocab) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
 def run_rtp_client(base_url: str, served: str, vocab: int, args: argparse.Namespace, label: str) -> Result:
-    prompts = random_prompts(vocab, args.num_prompts, args.input_len, args.seed)
+    prompts = random_prompts(vocab, args.num_prompts, args.input_len, args.seed, args.prefix_len)
     stats, elapsed = asyncio.run(_load(base_url, served, prompts, args.output_len, args.request_rate, args.seed,
                                        args.temperature))
     return Result(label, sum(stats["tokens"]) / elapsed, _mean_ms(stats["ttft"]), _mean_ms(stats["tpot"]),
@@ -270,7 +274,8 @@ def bench_one(name: str, server: ServerProcess, base_url: str, model: str, serve
 
 def print_table(results: list[Result], args: argparse.Namespace) -> None:
     client = "vllm bench serve" if args.client == "vllm" else "rtp load generator"
-    print(f"\n{args.num_prompts} prompts, {args.input_len} in / {args.output_len} out tokens, request rate "
+    shared = f"a shared prefix of {args.prefix_len} + " if args.prefix_len else ""
+    print(f"\n{args.num_prompts} prompts, {shared}{args.input_len} in / {args.output_len} out tokens, request rate "
           f"{args.request_rate}, temperature {args.temperature}, client: {client}")
     print(f"{'server':<14} {'output tok/s':>12} {'mean TTFT ms':>13} {'mean TPOT ms':>13} {'done':>6} {'failed':>7}")
     for r in results:
@@ -301,6 +306,8 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=96)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prefix-len", type=int, default=0,
+                    help="tokens every prompt starts with (before its --input-len own ones): prefix caching at work")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: at once)")
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="every request's temperature (default 1.0, the OpenAI API's; 0: greedy)")
