@@ -79,34 +79,29 @@ static inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 /
 
 // y = norm(x) row by row; with a residual (res non-null): s = round_T(x + res) is written to ``sum``
 // first and normalised instead (the decoder layer's residual add, fused: HF adds in the activation dtype).
-template <typename T, typename W>
-static void rms_norm_impl(const torch::Tensor& x, const T* res, int64_t ldr, const torch::Tensor& w, torch::Tensor& y,
-                          T* sum, float eps) {
-  const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0);
+// x, res, w, y and sum share the dtype T.
+template <typename T>
+static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* res, const torch::Tensor& w, torch::Tensor& y,
+                          torch::Tensor* sum, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0), ldr = res != nullptr ? res->stride(0) : 0;
   const T* xp = x.data_ptr<T>();
-  const W* wp = w.data_ptr<W>();
+  const T* rp = res != nullptr ? res->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
   T* yp = y.data_ptr<T>();
+  T* sp = sum != nullptr ? sum->data_ptr<T>() : nullptr;
   at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
     std::vector<float> tmp(n);
     for (int64_t r = b; r < e; ++r) {
       const T* src = xp + r * ldx;
-      if (res != nullptr) {
-        T* s = sum + r * n;
-        for (int64_t i = 0; i < n; ++i) s[i] = from_f<T>(to_f(src[i]) + to_f(res[r * ldr + i]));
+      if (rp != nullptr) {
+        T* s = sp + r * n;
+        for (int64_t i = 0; i < n; ++i) s[i] = from_f<T>(to_f(src[i]) + to_f(rp[r * ldr + i]));
         src = s;
       }
       norm_row(src, wp, tmp.data(), n, eps);
       for (int64_t i = 0; i < n; ++i) yp[r * n + i] = from_f<T>(tmp[i]);
     }
   });
-}
-
-template <typename T>
-static void rms_norm_typed(const torch::Tensor& x, const torch::Tensor* res, const torch::Tensor& w,
-                           torch::Tensor& y, torch::Tensor* sum, float eps) {
-  const T* rp = res != nullptr ? res->data_ptr<T>() : nullptr;
-  const int64_t ldr = res != nullptr ? res->stride(0) : 0;
-  rms_norm_impl<T, T>(x, rp, ldr, w, y, sum != nullptr ? sum->data_ptr<T>() : nullptr, eps);
 }
 
 static void rms_norm_any(const torch::Tensor& x, const torch::Tensor* res, const torch::Tensor& w, torch::Tensor& y,
@@ -116,9 +111,9 @@ static void rms_norm_any(const torch::Tensor& x, const torch::Tensor* res, const
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and w must have one dtype");
   pybind11::gil_scoped_release no_gil;
   const auto xt = x.scalar_type();
-  if (xt == at::kFloat) rms_norm_typed<float>(x, res, w, y, sum, (float)eps);
-  else if (xt == at::kBFloat16) rms_norm_typed<at::BFloat16>(x, res, w, y, sum, (float)eps);
-  else if (xt == at::kHalf) rms_norm_typed<at::Half>(x, res, w, y, sum, (float)eps);
+  if (xt == at::kFloat) rms_norm_impl<float>(x, res, w, y, sum, (float)eps);
+  else if (xt == at::kBFloat16) rms_norm_impl<at::BFloat16>(x, res, w, y, sum, (float)eps);
+  else if (xt == at::kHalf) rms_norm_impl<at::Half>(x, res, w, y, sum, (float)eps);
   else TORCH_CHECK(false, "rms_norm: unsupported dtypes");
 }
 
