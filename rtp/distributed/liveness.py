@@ -243,14 +243,22 @@ class Watchdog:
             if not pid_alive(pid) or start_time(pid) != self._starts[rank]
         ]
 
+    def lost_node(self) -> Failure | None:
+        """A rank on another node whose heartbeats stopped for the liveness timeout (its node is lost); else None."""
+        if not self.remote or self.heartbeat is None:
+            return None
+        silent = self.heartbeat.silent_peer(sorted(self.remote))
+        if silent is None:
+            return None
+        rank, age = silent
+        return Failure("hung", lost_remote_message(rank, self.remote[rank], age), rank)
+
     def check_peers(self, heartbeats: bool = True) -> Failure | None:
         """A dead peer, or (``heartbeats``) a hung one; else None."""
-        if heartbeats and self.remote and self.heartbeat is not None:
-            # First: a lost node is the cause when this node's ranks then leave one after another.
-            silent = self.heartbeat.silent_peer(sorted(self.remote))
-            if silent is not None:
-                rank, age = silent
-                return Failure("hung", lost_remote_message(rank, self.remote[rank], age), rank)
+        # First: a lost node is the cause when this node's ranks then leave one after another.
+        lost = self.lost_node() if heartbeats else None
+        if lost is not None:
+            return lost
         dead = self.dead_peers()
         if dead:
             rank, pid = dead[0]

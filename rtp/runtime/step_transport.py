@@ -114,11 +114,17 @@ class StepTransport:
         if self.watchdog.failure is not None:
             raise _error(self.watchdog.failure)
 
+    def lost_peer(self) -> Failure | None:
+        """The failure already reported, else a peer already gone, else None; takes no lock (a signal
+        handler asks it). A lost node comes first: this node's ranks that saw it and left are not the cause."""
+        watchdog = self.watchdog
+        return watchdog.failure or watchdog.lost_node() or watchdog.check_peers(heartbeats=False)
+
     def report_lost_peer(self) -> bool:
         """If a peer process is already gone, report it now (the failure hooks run, as when the watchdog finds
         it); True when a failure is (or was) reported. A stop signal often follows a rank's loss (torchrun
         stops the survivors when one dies): checked first, the stop is told as that loss."""
-        found = self.watchdog.failure or self.watchdog.check_peers(heartbeats=False)
+        found = self.lost_peer()
         if found is None:
             return False
         self.watchdog.report(found)  # the first failure wins, whoever saw it
@@ -152,6 +158,13 @@ class StepTransport:
         """SIGTERM and SIGINT stop the process: at once outside a step, at its end inside one."""
 
         def on_signal(signum: int, frame: Any) -> None:  # noqa: ANN401
+            # torchrun stops the survivors when a rank leaves: a stop that follows a rank's loss ends
+            # the run with that loss (the launcher prints it), not as a requested shutdown.
+            lost = self.lost_peer()
+            if lost is not None:
+                logger.info("received %s after a rank was lost", signal.Signals(signum).name)
+                self.failed = lost.message  # close() must not wait on the lost rank for a shutdown
+                raise _error(lost)
             # Inside a step, stop when it ends: leaving in the middle would strand the workers
             # in a collective. Outside a step (or on a second signal), stop at once.
             if self.in_step and self.stop_signal is None:

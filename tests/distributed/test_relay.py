@@ -168,6 +168,41 @@ def test_a_silent_node_is_reported_with_its_host_and_a_live_one_is_not():
             hb.stop()
 
 
+def test_a_stop_signal_after_a_lost_node_ends_rank0_with_that_loss():
+    """torchrun stops rank 0 when a rank of its own node leaves because node 1 went silent: rank 0's
+    handler names the lost node (not the rank that left, not a requested stop); before the loss the
+    same signal is a plain stop."""
+    import signal
+    import subprocess
+    import sys
+
+    from rtp.config import RtpConfig
+    from rtp.errors import WorkerDiedError
+    from rtp.runtime.step_transport import StepTransport
+
+    _, hbs, _ = two_nodes(timeout_s=0.4)
+    left = subprocess.Popen([sys.executable, "-c", "pass"])
+    dog = Watchdog(0, {1: left.pid}, lambda failure: None, heartbeat=hbs[0],
+                   remote={2: "pid 10 on host b", 3: "pid 12 on host b"})
+    transport = StepTransport(RtpConfig(), None, None, dog, hbs[0])  # type: ignore[arg-type]
+    transport.install_signal_handlers()
+    hbs[0].start()
+    try:
+        with pytest.raises(SystemExit) as stop:  # every peer alive: a requested stop
+            signal.raise_signal(signal.SIGTERM)
+        assert stop.value.code == 128 + signal.SIGTERM and transport.failed is None
+        left.wait()  # rank 1 left ...
+        time.sleep(0.6)  # ... after node 1's beats stopped for the timeout
+        with pytest.raises(WorkerDiedError, match=r"rank [23] \(pid 1[02] on host b\) was lost: no heartbeat"):
+            signal.raise_signal(signal.SIGTERM)
+        assert transport.failed is not None and "host b" in transport.failed
+        assert dog.failure is None  # a signal handler reports nothing (that takes a lock); the caller does
+    finally:
+        hbs[0].stop()
+        for signum, handler in transport._old_handlers.items():
+            signal.signal(signum, handler)
+
+
 def test_a_broken_store_stops_the_relay_so_the_remote_beats_age():
     store, hbs, relays = two_nodes()
     relays[0].start()
