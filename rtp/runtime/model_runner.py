@@ -25,6 +25,8 @@ from rtp.kernels.cpu_features import native_bf16
 from rtp.kernels.fp8_kv import kv_cache_dtype
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend
+from rtp.model.cpu_decode import CpuDecode
+from rtp.model.cpu_decode import unsupported as cpu_decode_unsupported
 from rtp.model.linear import cpu_linear_method, pack_linear_weights
 from rtp.model.loader import LoadReport, load_weights
 from rtp.model.quant import checkpoint_format
@@ -295,6 +297,14 @@ class ModelRunner:
             self.graphs = CudaGraphs(
                 self.model, ps.device, max_batch, max_blocks, self.spec.hidden_size, self.dtype
             )
+        self.cpu_decode: CpuDecode | None = None
+        """Decode steps on CPU as bound C++ kernel calls (:mod:`rtp.model.cpu_decode`), where they serve."""
+        if ps.device.type == "cpu":
+            why_not = cpu_decode_unsupported(self.model, ps)
+            if why_not is None:
+                self.cpu_decode = CpuDecode(self.model, ps)
+            elif ps.rank == 0:
+                logger.info("decode steps run through the modules: %s", why_not)
         self.aux_layers: tuple[int, ...] = ()
         """Decoder layers whose input hidden states rank 0's steps return (:meth:`request_aux_hidden`)."""
 
@@ -316,6 +326,7 @@ class ModelRunner:
         if self.graphs is not None:
             logger.info("decode steps run eagerly: they return auxiliary hidden states (not captured yet)")
             self.graphs = None
+        self.cpu_decode = None  # the modules return them
 
     def close(self) -> None:
         """Drop the CUDA graphs: their captured NCCL work must not outlive the communicator."""
@@ -395,6 +406,8 @@ class ModelRunner:
             aux = AuxHidden(list(batch.seq_ids), batch.positions[starts].tolist(), starts.tolist(), aux_states)
         elif graphs is not None and graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
             hidden = graphs.run(ids, pos, meta)
+        elif self.cpu_decode is not None and meta.decode_only:
+            hidden = self.cpu_decode.run(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta, stage_in)  # [T, hidden]
         if self.link is not None and not self.ps.is_last_stage:
