@@ -53,6 +53,8 @@ from rtp.distributed.parallel import ParallelState
 from rtp.errors import RtpError
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, PagedAttention, choose_attn_backend
+from rtp.model.cpu_decode import CpuDecode
+from rtp.model.cpu_decode import unsupported as cpu_decode_unsupported
 from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 from rtp.runtime.model_runner import ModelRunner, StepOutput, load_model
 from rtp.spec.draft_check import check_draft_model
@@ -133,7 +135,8 @@ class DraftModelProposer:
         computes at most ``max_pass_tokens`` tokens."""
         self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
         self.max_pass_tokens = max(1, max_pass_tokens)
-        self.model, _ = load_model(model_dir, ParallelState.single(device), dtype, max_positions)
+        ps = ParallelState.single(device)
+        self.model, _ = load_model(model_dir, ps, dtype, max_positions)
         layers = self.model.attention_layers()
         backend = choose_attn_backend(device, dtype)
         for attn in layers:
@@ -144,6 +147,8 @@ class DraftModelProposer:
         logger.info("draft model %s: %d layers, KV cache of %d + %d scratch blocks (%.1f MiB) on rank 0",
                     model_dir, self.model.spec.num_layers, num_blocks, max_batch * self.scratch, need / 2**20)
         self._computed: dict[int, int] = {}  # seq_id -> positions whose draft KV is in its current blocks
+        # Its one-token passes on CPU as bound kernel calls, as the target's decode steps
+        self.cpu_decode = CpuDecode(self.model, ps) if cpu_decode_unsupported(self.model, ps) is None else None
 
     @classmethod
     def for_target(cls, config: RtpConfig, runner: ModelRunner, model_dir: Path) -> DraftModelProposer:
@@ -216,7 +221,11 @@ class DraftModelProposer:
         meta, positions, cu_q = chunk_metadata([(start, len(toks)) for _, start, toks in chunks],
                                                tables[[b for b, _, _ in chunks]], self.block_size, dev)
         ids = np.concatenate([np.asarray(toks, dtype=np.int64) for _, _, toks in chunks])  # [T]
-        hidden = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta)  # [T, H]
+        ids_t, positions_t = torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev)
+        if self.cpu_decode is not None and meta.decode_only:
+            hidden = self.cpu_decode.run(ids_t, positions_t, meta)  # [T, H]
+        else:
+            hidden = self.model(ids_t, positions_t, meta)
         rows = (cu_q - 1)[np.asarray(wanted, dtype=bool)]  # [R] last token of each wanted chunk
         if len(rows) == 0:
             return []
