@@ -23,10 +23,12 @@ import torch
 
 from rtp.distributed.parallel import ParallelState
 from rtp.kernels import cpu_attention, cpu_gemm, cpu_ops
+from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata
 from rtp.model.linear import PACKED_METHODS, LinearBase
 from rtp.model.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP
 
+logger = get_logger(__name__)
 _SILU_MUL = 2  # the panel GEMM's mode that returns silu(gate) * up (rtp.kernels.cpu_gemm)
 
 
@@ -54,6 +56,18 @@ def unsupported(model: Qwen3ForCausalLM, ps: ParallelState) -> str | None:
             return "a norm's weight is not in the compute dtype"
         if a.rotary.cos.dtype != torch.float32:
             return "the rotary tables are not float32"
+    return None
+
+
+def bind_cpu_decode(model: Qwen3ForCausalLM, ps: ParallelState, what: str) -> CpuDecode | None:
+    """``model``'s :class:`CpuDecode` where it serves; else None (on CPU rank 0 logs why, naming ``what``)."""
+    if ps.device.type != "cpu":
+        return None
+    why_not = unsupported(model, ps)
+    if why_not is None:
+        return CpuDecode(model, ps)
+    if ps.rank == 0:
+        logger.info("%s run through the modules: %s", what, why_not)
     return None
 
 

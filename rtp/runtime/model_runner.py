@@ -25,8 +25,7 @@ from rtp.kernels.cpu_features import native_bf16
 from rtp.kernels.fp8_kv import kv_cache_dtype
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend
-from rtp.model.cpu_decode import CpuDecode
-from rtp.model.cpu_decode import unsupported as cpu_decode_unsupported
+from rtp.model.cpu_decode import CpuDecode, bind_cpu_decode
 from rtp.model.linear import cpu_linear_method, pack_linear_weights
 from rtp.model.loader import LoadReport, load_weights
 from rtp.model.quant import checkpoint_format
@@ -297,14 +296,8 @@ class ModelRunner:
             self.graphs = CudaGraphs(
                 self.model, ps.device, max_batch, max_blocks, self.spec.hidden_size, self.dtype
             )
-        self.cpu_decode: CpuDecode | None = None
+        self.cpu_decode: CpuDecode | None = bind_cpu_decode(self.model, ps, "decode steps")
         """Decode steps on CPU as bound C++ kernel calls (:mod:`rtp.model.cpu_decode`), where they serve."""
-        if ps.device.type == "cpu":
-            why_not = cpu_decode_unsupported(self.model, ps)
-            if why_not is None:
-                self.cpu_decode = CpuDecode(self.model, ps)
-            elif ps.rank == 0:
-                logger.info("decode steps run through the modules: %s", why_not)
         self.aux_layers: tuple[int, ...] = ()
         """Decoder layers whose input hidden states rank 0's steps return (:meth:`request_aux_hidden`)."""
 

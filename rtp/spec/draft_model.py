@@ -53,8 +53,7 @@ from rtp.distributed.parallel import ParallelState
 from rtp.errors import RtpError
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, PagedAttention, choose_attn_backend
-from rtp.model.cpu_decode import CpuDecode
-from rtp.model.cpu_decode import unsupported as cpu_decode_unsupported
+from rtp.model.cpu_decode import bind_cpu_decode
 from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 from rtp.runtime.model_runner import ModelRunner, StepOutput, load_model
 from rtp.spec.draft_check import check_draft_model
@@ -148,7 +147,7 @@ class DraftModelProposer:
                     model_dir, self.model.spec.num_layers, num_blocks, max_batch * self.scratch, need / 2**20)
         self._computed: dict[int, int] = {}  # seq_id -> positions whose draft KV is in its current blocks
         # Its one-token passes on CPU as bound kernel calls, as the target's decode steps
-        self.cpu_decode = CpuDecode(self.model, ps) if cpu_decode_unsupported(self.model, ps) is None else None
+        self.cpu_decode = bind_cpu_decode(self.model, ps, "the draft model's one-token passes")
 
     @classmethod
     def for_target(cls, config: RtpConfig, runner: ModelRunner, model_dir: Path) -> DraftModelProposer:

@@ -6,6 +6,7 @@ at TP = 1, 2, 4, the engine and server tests); here against the modules it repla
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -59,10 +60,12 @@ def test_bound_decode_steps_equal_the_modules_bit_for_bit(tmp_path, dtype):
         assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
 
 
-def test_decode_goes_through_the_modules_where_the_bound_calls_would_differ(tmp_path):
+def test_decode_goes_through_the_modules_where_the_bound_calls_would_differ(tmp_path, caplog):
     dense = make_tiny_qwen3(tmp_path / "dense", SPEC)
     # an FP8 cache: the torch attention path quantizes and dequantizes, the C++ kernels read the compute dtype
-    assert _runner(dense, "float32", "fp8_e4m3").cpu_decode is None
+    with caplog.at_level(logging.INFO, logger="rtp"):
+        assert _runner(dense, "float32", "fp8_e4m3").cpu_decode is None
+    assert "decode steps run through the modules: the attention is not the C++ backend" in caplog.text
     # a sparse MoE block: not the dense MLP the bound calls run
     assert _runner(make_tiny_qwen3(tmp_path / "moe", TinyQwen3MoeSpec()), "float32").cpu_decode is None
     # EAGLE-3's auxiliary hidden states come from the modules
