@@ -25,7 +25,7 @@ from rtp.kernels.cpu_features import native_bf16
 from rtp.kernels.fp8_kv import kv_cache_dtype
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend
-from rtp.model.cpu_decode import CpuDecode, bind_cpu_decode
+from rtp.model.cpu_forward import CpuForward, bind_cpu_forward
 from rtp.model.linear import cpu_linear_method, pack_linear_weights
 from rtp.model.loader import LoadReport, load_weights
 from rtp.model.quant import checkpoint_format
@@ -296,8 +296,8 @@ class ModelRunner:
             self.graphs = CudaGraphs(
                 self.model, ps.device, max_batch, max_blocks, self.spec.hidden_size, self.dtype
             )
-        self.cpu_decode: CpuDecode | None = bind_cpu_decode(self.model, ps, "decode steps")
-        """Decode steps on CPU as bound C++ kernel calls (:mod:`rtp.model.cpu_decode`), where they serve."""
+        self.cpu_forward: CpuForward | None = bind_cpu_forward(self.model, ps, "steps")
+        """Steps on CPU as bound C++ kernel calls (:mod:`rtp.model.cpu_forward`), where they serve."""
         self.aux_layers: tuple[int, ...] = ()
         """Decoder layers whose input hidden states rank 0's steps return (:meth:`request_aux_hidden`)."""
 
@@ -319,7 +319,7 @@ class ModelRunner:
         if self.graphs is not None:
             logger.info("decode steps run eagerly: they return auxiliary hidden states (not captured yet)")
             self.graphs = None
-        self.cpu_decode = None  # the modules return them
+        self.cpu_forward = None  # the modules return them
 
     def close(self) -> None:
         """Drop the CUDA graphs: their captured NCCL work must not outlive the communicator."""
@@ -399,8 +399,8 @@ class ModelRunner:
             aux = AuxHidden(list(batch.seq_ids), batch.positions[starts].tolist(), starts.tolist(), aux_states)
         elif graphs is not None and graphs.fits(len(batch.q_lens), batch.block_tables.shape[1]):
             hidden = graphs.run(ids, pos, meta)
-        elif self.cpu_decode is not None and meta.decode_only:
-            hidden = self.cpu_decode.run(ids, pos, meta)
+        elif self.cpu_forward is not None:
+            hidden = self.cpu_forward.run(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta, stage_in)  # [T, hidden]
         if self.link is not None and not self.ps.is_last_stage:

@@ -53,7 +53,7 @@ from rtp.distributed.parallel import ParallelState
 from rtp.errors import RtpError
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, PagedAttention, choose_attn_backend
-from rtp.model.cpu_decode import bind_cpu_decode
+from rtp.model.cpu_forward import bind_cpu_forward
 from rtp.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 from rtp.runtime.model_runner import ModelRunner, StepOutput, load_model
 from rtp.spec.draft_check import check_draft_model
@@ -146,8 +146,8 @@ class DraftModelProposer:
         logger.info("draft model %s: %d layers, KV cache of %d + %d scratch blocks (%.1f MiB) on rank 0",
                     model_dir, self.model.spec.num_layers, num_blocks, max_batch * self.scratch, need / 2**20)
         self._computed: dict[int, int] = {}  # seq_id -> positions whose draft KV is in its current blocks
-        # Its one-token passes on CPU as bound kernel calls, as the target's decode steps
-        self.cpu_decode = bind_cpu_decode(self.model, ps, "the draft model's one-token passes")
+        # Its passes on CPU as bound kernel calls, as the target's steps
+        self.cpu_forward = bind_cpu_forward(self.model, ps, "the draft model's passes")
 
     @classmethod
     def for_target(cls, config: RtpConfig, runner: ModelRunner, model_dir: Path) -> DraftModelProposer:
@@ -221,8 +221,8 @@ class DraftModelProposer:
                                                tables[[b for b, _, _ in chunks]], self.block_size, dev)
         ids = np.concatenate([np.asarray(toks, dtype=np.int64) for _, _, toks in chunks])  # [T]
         ids_t, positions_t = torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev)
-        if self.cpu_decode is not None and meta.decode_only:
-            hidden = self.cpu_decode.run(ids_t, positions_t, meta)  # [T, H]
+        if self.cpu_forward is not None:
+            hidden = self.cpu_forward.run(ids_t, positions_t, meta)  # [T, H]
         else:
             hidden = self.model(ids_t, positions_t, meta)
         rows = (cu_q - 1)[np.asarray(wanted, dtype=bool)]  # [R] last token of each wanted chunk

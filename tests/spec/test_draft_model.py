@@ -104,7 +104,7 @@ def test_target_as_its_own_draft_accepts_every_draft(target, prompts, expected) 
     assert drafted > 50 and accepted / drafted >= 0.98
     proposer = engine.spec.proposer if engine.spec is not None else None
     assert isinstance(proposer, DraftModelProposer)
-    assert proposer.cpu_decode is not None  # its one-token passes ran as bound kernel calls (and were accepted)
+    assert proposer.cpu_forward is not None  # its one-token passes ran as bound kernel calls (and were accepted)
     proposer.sync([])  # nothing runs any more: every sequence's draft state is dropped
     assert all(proposer.num_computed(i) == 0 for i in range(100))
 

@@ -1,6 +1,6 @@
-"""Decode steps on CPU as bound kernel calls (rtp.model.cpu_decode): the modules' numbers, where they serve.
+"""Steps on CPU as bound kernel calls (rtp.model.cpu_forward): the modules' numbers, where they serve.
 
-Against HF transformers the bound path is checked by every test that decodes on CPU (tests/model/test_tp_vs_hf.py
+Against HF transformers the bound path is checked by every test that runs a model on CPU (tests/model/test_tp_vs_hf.py
 at TP = 1, 2, 4, the engine and server tests); here against the modules it replaces, bit for bit.
 """
 
@@ -30,14 +30,14 @@ def _runner(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto") -> ModelR
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bound_decode_steps_equal_the_modules_bit_for_bit(tmp_path, dtype):
+def test_bound_steps_equal_the_modules_bit_for_bit(tmp_path, dtype):
     model_dir = make_tiny_qwen3(tmp_path / "m", SPEC)
     bound, modules = _runner(model_dir, dtype), _runner(model_dir, dtype)
-    assert bound.cpu_decode is not None, "the bound calls serve a dense model on CPU"
-    modules.cpu_decode = None  # this one decodes through the modules
+    assert bound.cpu_forward is not None, "the bound calls serve a dense model on CPU"
+    modules.cpu_forward = None  # this one runs through the modules
     calls = []
-    run = bound.cpu_decode.run
-    bound.cpu_decode.run = lambda *a: calls.append(1) or run(*a)  # type: ignore[method-assign]
+    run = bound.cpu_forward.run
+    bound.cpu_forward.run = lambda *a: calls.append(1) or run(*a)  # type: ignore[method-assign]
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, SPEC.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 33, 1)]
@@ -45,17 +45,34 @@ def test_bound_decode_steps_equal_the_modules_bit_for_bit(tmp_path, dtype):
     # Each sequence's blocks, enough for its decode steps; in reverse order, so no table is the identity.
     tables, free = [], list(range(63, -1, -1))
     for p in prompts:
-        n = -(-(len(p) + steps) // BLOCK)
+        n = -(-(len(p) + steps + 4) // BLOCK)
         tables.append(free[:n])
         free = free[n:]
-    plan = StepPlan(new_seqs=[NewSeq(i, p, tables[i], 0, len(p)) for i, p in enumerate(prompts)])
-    for step in range(steps + 1):
+    # A prompt step (prompt 2 in two chunks), then its last chunk beside the others' first decodes (a mixed
+    # step), decode steps, and one step of three tokens for sequence 0 beside one for the others (as a
+    # speculative verification computes).
+    first = [NewSeq(i, p, tables[i], 0, len(p) - (20 if i == 2 else 0)) for i, p in enumerate(prompts)]
+    plans = [StepPlan(new_seqs=first)]
+    got_tokens: list[list[int]] = []
+
+    def step(plan: StepPlan) -> list[int]:
         got, want = bound.execute(plan).sample_logits, modules.execute(plan).sample_logits
         assert got is not None and want is not None
-        assert torch.equal(got, want), f"step {step}: max |diff| {(got - want).abs().max()}"
-        tokens = got.argmax(-1).tolist()
-        plan = StepPlan(cached_seqs=[CachedSeq(i, 1, [t], []) for i, t in enumerate(tokens)])
-    assert len(calls) == steps  # every decode step ran the bound calls (the prompt step the modules)
+        assert torch.equal(got, want), f"step {len(got_tokens)}: max |diff| {(got - want).abs().max()}"
+        got_tokens.append(got.argmax(-1).tolist())
+        return got_tokens[-1]
+
+    tokens = step(plans[0])  # rows: prompts 0, 1, 3 (prompt 2's first chunk samples nothing)
+    last = {0: tokens[0], 1: tokens[1], 3: tokens[2]}
+    mixed = [CachedSeq(2, 20, [], [])] + [CachedSeq(i, 1, [last[i]], []) for i in (0, 1, 3)]
+    tokens = step(StepPlan(cached_seqs=mixed))
+    last = dict(zip((2, 0, 1, 3), tokens, strict=True))
+    for _ in range(steps):
+        tokens = step(StepPlan(cached_seqs=[CachedSeq(i, 1, [last[i]], []) for i in range(4)]))
+        last = dict(enumerate(tokens))
+    three = [CachedSeq(0, 3, [last[0], 7, 9], [])] + [CachedSeq(i, 1, [last[i]], []) for i in (1, 2, 3)]
+    step(StepPlan(cached_seqs=three))
+    assert len(calls) == steps + 3  # every step ran the bound calls
     for a, b in zip(bound.model.attention_layers(), modules.model.attention_layers(), strict=True):
         assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
 
@@ -64,12 +81,12 @@ def test_decode_goes_through_the_modules_where_the_bound_calls_would_differ(tmp_
     dense = make_tiny_qwen3(tmp_path / "dense", SPEC)
     # an FP8 cache: the torch attention path quantizes and dequantizes, the C++ kernels read the compute dtype
     with caplog.at_level(logging.INFO, logger="rtp"):
-        assert _runner(dense, "float32", "fp8_e4m3").cpu_decode is None
-    assert "decode steps run through the modules: the attention is not the C++ backend" in caplog.text
+        assert _runner(dense, "float32", "fp8_e4m3").cpu_forward is None
+    assert "steps run through the modules: the attention is not the C++ backend" in caplog.text
     # a sparse MoE block: not the dense MLP the bound calls run
-    assert _runner(make_tiny_qwen3(tmp_path / "moe", TinyQwen3MoeSpec()), "float32").cpu_decode is None
+    assert _runner(make_tiny_qwen3(tmp_path / "moe", TinyQwen3MoeSpec()), "float32").cpu_forward is None
     # EAGLE-3's auxiliary hidden states come from the modules
     runner = _runner(dense, "float32")
-    assert runner.cpu_decode is not None
+    assert runner.cpu_forward is not None
     runner.request_aux_hidden((1,))
-    assert runner.cpu_decode is None
+    assert runner.cpu_forward is None

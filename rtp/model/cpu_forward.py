@@ -1,18 +1,20 @@
-"""Decode steps on CPU as the layers' C++ kernels called directly: the CPU's counterpart of CUDA graphs.
+"""The model's forward on CPU as the layers' C++ kernels called directly: the CPU's counterpart of CUDA graphs.
 
-Through the modules, a dense Qwen3 layer's decode step on CPU is ten C++ kernel calls with Python between
-them: nine ``nn.Module`` calls, attribute lookups, each op's dispatch checks, the linear method's and the
-attention backend's branches. Inside a real ``generate()`` (the kernels keep the caches busy, so that Python
-runs cold) this came to ~60 us a layer: run step by step alternately with and without the bound calls in one
-``generate()``, the model's decode forward took 1.11x as long through the modules on the 40M benchmark model
-(24 requests, fp32) and 1.09x at Qwen3-0.6B's dimensions (8 requests, bf16).
+Through the modules, a dense Qwen3 layer on CPU is ten C++ kernel calls with Python between them: nine
+``nn.Module`` calls, attribute lookups, each op's dispatch checks, the linear method's and the attention
+backend's branches. Inside a real ``generate()`` (the kernels keep the caches busy, so that Python runs cold)
+this came to ~60 us a layer: run step by step alternately with and without the bound calls in one
+``generate()``, the model's decode forward took 1.16x as long through the modules on the 40M benchmark model
+(24 requests, fp32) and 1.09x at Qwen3-0.6B's dimensions (8 requests, bf16). Steps of a few tokens per
+sequence (speculative verification, a draft's catch-up) pay the same per layer; prompt steps hardly notice.
 
-:class:`CpuDecode` binds every layer's kernels, weights, caches and shapes once; a decode step is then those
-calls alone, on the same arguments the modules would pass, so the hidden states are the modules' bit for bit.
-It serves only where the modules would run exactly these kernels (:func:`unsupported` says why not elsewhere):
-the C++ layer ops, attention and panel GEMM built, the C++ attention backend (a cache in the compute dtype),
-dense layers with unbiased linears packed for the panel GEMM, norm weights in the compute dtype, no pipeline
-stages. Tensor parallelism takes the same all-reduces as the row-parallel layers.
+:class:`CpuForward` binds every layer's kernels, weights and shapes once; a step is then those calls alone (the
+decode attention kernel for one token per sequence, the varlen one otherwise), on the arguments the modules
+would pass, so the hidden states are the modules' bit for bit. It serves only where the modules would run
+exactly these kernels (:func:`unsupported` says why not elsewhere): the C++ layer ops, attention and panel GEMM
+built, the C++ attention backend (a cache in the compute dtype), dense layers with unbiased linears packed for
+the panel GEMM, norm weights in the compute dtype, no pipeline stages. Tensor parallelism takes the same
+all-reduces as the row-parallel layers.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ _SILU_MUL = 2  # the panel GEMM's mode that returns silu(gate) * up (rtp.kernels
 
 
 def unsupported(model: Qwen3ForCausalLM, ps: ParallelState) -> str | None:
-    """Why decode steps of ``model`` cannot run as bound kernel calls here, or None when they can."""
+    """Why ``model``'s forward cannot run as bound kernel calls here, or None when it can."""
     if ps.device.type != "cpu" or ps.pp_size > 1:
         return "not a CPU model without pipeline stages"
     if cpu_ops.load() is None or cpu_gemm.load() is None or cpu_attention.load() is None:
@@ -59,20 +61,20 @@ def unsupported(model: Qwen3ForCausalLM, ps: ParallelState) -> str | None:
     return None
 
 
-def bind_cpu_decode(model: Qwen3ForCausalLM, ps: ParallelState, what: str) -> CpuDecode | None:
-    """``model``'s :class:`CpuDecode` where it serves; else None (on CPU rank 0 logs why, naming ``what``)."""
+def bind_cpu_forward(model: Qwen3ForCausalLM, ps: ParallelState, what: str) -> CpuForward | None:
+    """``model``'s :class:`CpuForward` where it serves; else None (on CPU rank 0 logs why, naming ``what``)."""
     if ps.device.type != "cpu":
         return None
     why_not = unsupported(model, ps)
     if why_not is None:
-        return CpuDecode(model, ps)
+        return CpuForward(model, ps)
     if ps.rank == 0:
         logger.info("%s run through the modules: %s", what, why_not)
     return None
 
 
-class CpuDecode:
-    """A model's decode forward as bound C++ kernel calls (build only where :func:`unsupported` is None)."""
+class CpuForward:
+    """A model's forward as bound C++ kernel calls (build only where :func:`unsupported` is None)."""
 
     def __init__(self, model: Qwen3ForCausalLM, ps: ParallelState) -> None:
         inner = model.model
@@ -80,7 +82,8 @@ class CpuDecode:
         self.embed, self.norm, self.reduce = inner.embed_tokens, inner.norm, ps.all_reduce
         ops, gemm, attention = cpu_ops.load(), cpu_gemm.load(), cpu_attention.load()
         assert ops is not None and gemm is not None and attention is not None, "checked by unsupported()"
-        self.ops, self.gemm, self.attend = ops, gemm.gemm, attention.paged_decode
+        self.ops, self.gemm = ops, gemm.gemm
+        self.decode, self.varlen = attention.paged_decode, attention.paged_prefill
         self.layers = [self._bind(layer) for layer in inner.layers if isinstance(layer, Qwen3DecoderLayer)]
 
     @staticmethod
@@ -95,11 +98,13 @@ class CpuDecode:
                 mlp.down_proj.packed, mlp.down_proj.out_features)
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        """Final hidden states ``[B, hidden]`` of a decode step (one token per sequence), as the model's
-        forward computes them."""
-        ops, gemm, attend, reduce = self.ops, self.gemm, self.attend, self.reduce
+        """Final hidden states ``[T, hidden]`` of a step's tokens ``ids [T]`` at positions ``pos [T]``, as the
+        model's forward computes them (the step's keys and values stored in the cache)."""
+        ops, gemm, reduce = self.ops, self.gemm, self.reduce
         slots, tables, lens, t = meta.slot_mapping, meta.block_tables, meta.context_lens, ids.shape[0]
-        x = self.embed(ids)  # [B, hidden]
+        cu_q = None if meta.decode_only else meta.cu_seqlens_q  # varlen attention unless one token a sequence
+        attend = self.decode
+        x = self.embed(ids)  # [T, hidden]
         residual = None
         for (w_in, w_post, eps, qkv, n_qkv, sizes, hq, hk, d, qw, kw, qk_eps, cos, sin, attn,
              o_w, n_o, gate_up, n_gate_up, down, n_down) in self.layers:
@@ -111,7 +116,10 @@ class CpuDecode:
             q, k, v = gemm(h, qkv, n_qkv, None, None, 0).split_with_sizes(sizes, -1)
             q, k = ops.qk_norm_rope(q.view(t, hq, d), k.view(t, hk, d), qw, kw, cos, sin, pos, qk_eps)
             ops.store_kv(k, v.view(t, hk, d), attn.k_cache, attn.v_cache, slots)
-            o = attend(q, attn.k_cache, attn.v_cache, tables, lens, attn.scale)  # [B, Hq, D]
+            if cu_q is None:
+                o = attend(q, attn.k_cache, attn.v_cache, tables, lens, attn.scale)  # [T, Hq, D]
+            else:
+                o = self.varlen(q, attn.k_cache, attn.v_cache, tables, cu_q, lens, attn.scale)
             h, residual = ops.add_rms_norm(reduce(gemm(o.flatten(1), o_w, n_o, None, None, 0)), residual, w_post, eps)
             x = reduce(gemm(gemm(h, gate_up, n_gate_up, None, None, _SILU_MUL), down, n_down, None, None, 0))
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
