@@ -54,8 +54,10 @@ def unsupported(model: Qwen3ForCausalLM, ps: ParallelState) -> str | None:
         if a.attn.backend != "cpu" or a.attn.k_cache.dtype != dtype:
             return "the attention is not the C++ backend over a cache in the compute dtype"
         norms = (layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm)
-        if any(n.weight.dtype != dtype for n in norms) or a.q_norm.eps != a.k_norm.eps:
+        if any(n.weight.dtype != dtype for n in norms):
             return "a norm's weight is not in the compute dtype"
+        if a.q_norm.eps != a.k_norm.eps:
+            return "the q and k norms have different epsilons"
         if a.rotary.cos.dtype != torch.float32:
             return "the rotary tables are not float32"
     return None
