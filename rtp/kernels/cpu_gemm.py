@@ -477,7 +477,7 @@ def pack(weight: torch.Tensor, pairs: bool | None = None, gate_up: bool = False)
     return in_huge_pages(module.pack_pairs(weight) if pairs else module.pack(weight))
 
 
-_GLU_NONE, _GLU_SPLIT, _GLU_SILU_MUL = 0, 1, 2  # the kernel's Glu modes
+GLU_NONE, GLU_SPLIT, GLU_SILU_MUL = 0, 1, 2  # the kernel's Glu modes (the last argument of load().gemm)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
@@ -489,7 +489,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     """
     module = load()
     assert module is not None, "pack() succeeded, so the kernel is loaded"
-    return module.gemm(x, packed, out_features, bias, scale, _GLU_SPLIT if gate_up else _GLU_NONE)
+    return module.gemm(x, packed, out_features, bias, scale, GLU_SPLIT if gate_up else GLU_NONE)
 
 
 def silu_mul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -499,5 +499,5 @@ def silu_mul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.
     of the exponential), without writing and re-reading the ``[M, 2I]`` product."""
     module = load()
     assert module is not None, "pack() succeeded, so the kernel is loaded"
-    return module.gemm(x, packed, out_features, None, None, _GLU_SILU_MUL)
+    return module.gemm(x, packed, out_features, None, None, GLU_SILU_MUL)
 

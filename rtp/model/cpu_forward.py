@@ -31,7 +31,7 @@ from rtp.model.linear import PACKED_METHODS, LinearBase
 from rtp.model.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP
 
 logger = get_logger(__name__)
-_SILU_MUL = 2  # the panel GEMM's mode that returns silu(gate) * up (rtp.kernels.cpu_gemm)
+_NONE, _SILU_MUL = cpu_gemm.GLU_NONE, cpu_gemm.GLU_SILU_MUL  # the panel GEMM's plain product, and silu(gate) * up
 
 
 def unsupported(model: Qwen3ForCausalLM, ps: ParallelState) -> str | None:
@@ -105,7 +105,7 @@ class CpuForward:
         ops, gemm, reduce = self.ops, self.gemm, self.reduce
         slots, tables, lens, t = meta.slot_mapping, meta.block_tables, meta.context_lens, ids.shape[0]
         cu_q = None if meta.decode_only else meta.cu_seqlens_q  # varlen attention unless one token a sequence
-        attend = self.decode
+        decode, varlen = self.decode, self.varlen
         x = self.embed(ids)  # [T, hidden]
         residual = None
         for (w_in, w_post, eps, qkv, n_qkv, sizes, hq, hk, d, qw, kw, qk_eps, cos, sin, attn,
@@ -115,13 +115,14 @@ class CpuForward:
                 h, residual = ops.rms_norm(x, w_in, eps), x
             else:
                 h, residual = ops.add_rms_norm(x, residual, w_in, eps)
-            q, k, v = gemm(h, qkv, n_qkv, None, None, 0).split_with_sizes(sizes, -1)
+            q, k, v = gemm(h, qkv, n_qkv, None, None, _NONE).split_with_sizes(sizes, -1)
             q, k = ops.qk_norm_rope(q.view(t, hq, d), k.view(t, hk, d), qw, kw, cos, sin, pos, qk_eps)
             ops.store_kv(k, v.view(t, hk, d), attn.k_cache, attn.v_cache, slots)
             if cu_q is None:
-                o = attend(q, attn.k_cache, attn.v_cache, tables, lens, attn.scale)  # [T, Hq, D]
+                o = decode(q, attn.k_cache, attn.v_cache, tables, lens, attn.scale)  # [T, Hq, D]
             else:
-                o = self.varlen(q, attn.k_cache, attn.v_cache, tables, cu_q, lens, attn.scale)
-            h, residual = ops.add_rms_norm(reduce(gemm(o.flatten(1), o_w, n_o, None, None, 0)), residual, w_post, eps)
-            x = reduce(gemm(gemm(h, gate_up, n_gate_up, None, None, _SILU_MUL), down, n_down, None, None, 0))
+                o = varlen(q, attn.k_cache, attn.v_cache, tables, cu_q, lens, attn.scale)
+            o = reduce(gemm(o.flatten(1), o_w, n_o, None, None, _NONE))  # [T, hidden]
+            h, residual = ops.add_rms_norm(o, residual, w_post, eps)
+            x = reduce(gemm(gemm(h, gate_up, n_gate_up, None, None, _SILU_MUL), down, n_down, None, None, _NONE))
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
