@@ -39,6 +39,7 @@ attention kernel); where it did not, the runtime keeps oneDNN or ``F.linear``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -490,6 +491,16 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     module = load()
     assert module is not None, "pack() succeeded, so the kernel is loaded"
     return module.gemm(x, packed, out_features, bias, scale, GLU_SPLIT if gate_up else GLU_NONE)
+
+
+def bound(packed: torch.Tensor, out_features: int, scale: torch.Tensor | None = None,
+          glu: int = GLU_NONE) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> y`` as :func:`linear` without a bias (``glu``: GLU_NONE, GLU_SPLIT for a gate ‖ up packing) or
+    :func:`silu_mul` (GLU_SILU_MUL) computes it, the kernel bound to the weight: one call, no dispatch."""
+    module = load()
+    assert module is not None, "pack() succeeded, so the kernel is loaded"
+    gemm = module.gemm
+    return lambda x: gemm(x, packed, out_features, None, scale, glu)
 
 
 def silu_mul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ AVX-512 VNNI (and where the build fails); callers then keep :mod:`rtp.kernels.cp
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -381,3 +382,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, scale: torc
     assert module is not None, "pack() succeeded, so the kernel is loaded"
     return module.gemm(x, packed, out_features, scale, bias, amx)
 
+
+def bound(packed: torch.Tensor, out_features: int, scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> linear(x, packed, out_features, scale)``, the kernel bound to the weight: one call, no dispatch."""
+    module = load()
+    assert module is not None, "pack() succeeded, so the kernel is loaded"
+    gemm = module.gemm
+    return lambda x: gemm(x, packed, out_features, scale, None, True)

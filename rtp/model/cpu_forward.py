@@ -11,9 +11,10 @@ sequence (speculative verification, a draft's catch-up) pay the same per layer; 
 :class:`CpuForward` binds every layer's kernels, weights and shapes once; a step is then those calls alone (the
 decode attention kernel for one token per sequence, the varlen one otherwise), on the arguments the modules
 would pass, so the hidden states are the modules' bit for bit. It serves only where the modules would run
-exactly these kernels (:func:`unsupported` says why not elsewhere): the C++ layer ops, attention and panel GEMM
-built, the C++ attention backend (a cache in the compute dtype), dense layers with unbiased linears packed for
-the panel GEMM, norm weights in the compute dtype, no pipeline stages. Tensor parallelism takes the same
+exactly these kernels (:func:`unsupported` says why not elsewhere): the C++ layer ops and attention built, the
+C++ attention backend (a cache in the compute dtype), dense layers whose linears are unbiased and have a bound
+kernel call (:meth:`rtp.model.linear.LinearMethod.bound`: rtp's panel GEMM, oneDNN's packed linear, the int8
+weight-only kernels), norm weights in the compute dtype, no pipeline stages. Tensor parallelism takes the same
 all-reduces as the row-parallel layers.
 """
 
@@ -24,21 +25,20 @@ from typing import Any
 import torch
 
 from rtp.distributed.parallel import ParallelState
-from rtp.kernels import cpu_attention, cpu_gemm, cpu_ops
+from rtp.kernels import cpu_attention, cpu_ops
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata
-from rtp.model.linear import PACKED_METHODS, LinearBase
+from rtp.model.linear import LinearBase
 from rtp.model.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP
 
 logger = get_logger(__name__)
-_NONE, _SILU_MUL = cpu_gemm.GLU_NONE, cpu_gemm.GLU_SILU_MUL  # the panel GEMM's plain product, and silu(gate) * up
 
 
 def unsupported(model: Qwen3ForCausalLM, ps: ParallelState) -> str | None:
     """Why ``model``'s forward cannot run as bound kernel calls here, or None when it can."""
     if ps.device.type != "cpu" or ps.pp_size > 1:
         return "not a CPU model without pipeline stages"
-    if cpu_ops.load() is None or cpu_gemm.load() is None or cpu_attention.load() is None:
+    if cpu_ops.load() is None or cpu_attention.load() is None:
         return "the C++ CPU kernels did not build"
     inner = model.model
     if inner.embed_tokens is None or inner.norm is None:
@@ -48,9 +48,15 @@ def unsupported(model: Qwen3ForCausalLM, ps: ParallelState) -> str | None:
         if not isinstance(layer, Qwen3DecoderLayer) or not isinstance(layer.mlp, Qwen3MLP):
             return "a layer is not a dense Qwen3 layer"
         a = layer.self_attn
-        linears: list[LinearBase] = [a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        if any(lin.method is not PACKED_METHODS["gemm"] or lin.bias is not None for lin in linears):
-            return "a linear is not an unbiased one packed for the panel GEMM"
+        gate_up = layer.mlp.gate_up_proj
+        linears: tuple[LinearBase, ...] = (a.qkv_proj, a.o_proj, layer.mlp.down_proj)
+        bound = {lin: lin.method.bound(lin) for lin in linears}
+        bound[gate_up] = gate_up.method.bound_silu_mul(gate_up)
+        if any(lin.bias is not None for lin in bound):
+            return "a linear has a bias"
+        unbound = [type(lin.method).__name__ for lin, call in bound.items() if call is None]
+        if unbound:
+            return f"a linear's method has no bound kernel call ({unbound[0]})"
         if a.attn.backend != "cpu" or a.attn.k_cache.dtype != dtype:
             return "the attention is not the C++ backend over a cache in the compute dtype"
         norms = (layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm)
@@ -82,9 +88,9 @@ class CpuForward:
         inner = model.model
         assert inner.embed_tokens is not None and inner.norm is not None, "checked by unsupported()"
         self.embed, self.norm, self.reduce = inner.embed_tokens, inner.norm, ps.all_reduce
-        ops, gemm, attention = cpu_ops.load(), cpu_gemm.load(), cpu_attention.load()
-        assert ops is not None and gemm is not None and attention is not None, "checked by unsupported()"
-        self.ops, self.gemm = ops, gemm.gemm
+        ops, attention = cpu_ops.load(), cpu_attention.load()
+        assert ops is not None and attention is not None, "checked by unsupported()"
+        self.ops = ops
         self.decode, self.varlen = attention.paged_decode, attention.paged_prefill
         self.layers = [self._bind(layer) for layer in inner.layers if isinstance(layer, Qwen3DecoderLayer)]
 
@@ -93,36 +99,36 @@ class CpuForward:
         a, mlp = layer.self_attn, layer.mlp
         assert isinstance(mlp, Qwen3MLP), "checked by unsupported()"
         d, hq, hk = a.head_dim, a.num_heads, a.num_kv_heads
+        qkv, o, gate_up, down = a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
         return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-                a.qkv_proj.packed, a.qkv_proj.out_features, [hq * d, hk * d, hk * d], hq, hk, d,
+                qkv.method.bound(qkv), [hq * d, hk * d, hk * d], hq, hk, d,
                 a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, a.rotary.cos, a.rotary.sin, a.attn,
-                a.o_proj.packed, a.o_proj.out_features, mlp.gate_up_proj.packed, mlp.gate_up_proj.out_features,
-                mlp.down_proj.packed, mlp.down_proj.out_features)
+                o.method.bound(o), gate_up.method.bound_silu_mul(gate_up), down.method.bound(down))
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of a step's tokens ``ids [T]`` at positions ``pos [T]``, as the
         model's forward computes them (the step's keys and values stored in the cache)."""
-        ops, gemm, reduce = self.ops, self.gemm, self.reduce
+        ops, reduce = self.ops, self.reduce
         slots, tables, lens, t = meta.slot_mapping, meta.block_tables, meta.context_lens, ids.shape[0]
         cu_q = None if meta.decode_only else meta.cu_seqlens_q  # varlen attention unless one token a sequence
         decode, varlen = self.decode, self.varlen
         x = self.embed(ids)  # [T, hidden]
         residual = None
-        for (w_in, w_post, eps, qkv, n_qkv, sizes, hq, hk, d, qw, kw, qk_eps, cos, sin, attn,
-             o_w, n_o, gate_up, n_gate_up, down, n_down) in self.layers:
+        for (w_in, w_post, eps, qkv, sizes, hq, hk, d, qw, kw, qk_eps, cos, sin, attn,
+             o_proj, silu_gate_up, down) in self.layers:
             # The decoder layer's forward (rtp.model.qwen3), each module's C++ kernel called directly.
             if residual is None:
                 h, residual = ops.rms_norm(x, w_in, eps), x
             else:
                 h, residual = ops.add_rms_norm(x, residual, w_in, eps)
-            q, k, v = gemm(h, qkv, n_qkv, None, None, _NONE).split_with_sizes(sizes, -1)
+            q, k, v = qkv(h).split_with_sizes(sizes, -1)
             q, k = ops.qk_norm_rope(q.view(t, hq, d), k.view(t, hk, d), qw, kw, cos, sin, pos, qk_eps)
             ops.store_kv(k, v.view(t, hk, d), attn.k_cache, attn.v_cache, slots)
             if cu_q is None:
                 o = decode(q, attn.k_cache, attn.v_cache, tables, lens, attn.scale)  # [T, Hq, D]
             else:
                 o = varlen(q, attn.k_cache, attn.v_cache, tables, cu_q, lens, attn.scale)
-            o = reduce(gemm(o.flatten(1), o_w, n_o, None, None, _NONE))  # [T, hidden]
+            o = reduce(o_proj(o.flatten(1)))  # [T, hidden]
             h, residual = ops.add_rms_norm(o, residual, w_post, eps)
-            x = reduce(gemm(gemm(h, gate_up, n_gate_up, None, None, _SILU_MUL), down, n_down, None, None, _NONE))
+            x = reduce(down(silu_gate_up(h)))
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]

@@ -141,6 +141,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+Bound = Callable[[torch.Tensor], torch.Tensor]  # a layer's product x -> y, its weights bound (LinearMethod.bound)
+
+
 class LinearMethod:
     """How a linear layer holds its weight and computes ``x Wᵀ + b`` (stateless: one instance serves all)."""
 
@@ -164,6 +167,17 @@ class LinearMethod:
         """``silu(gate) * up`` of a gate ‖ up layer's product (:class:`GateUpParallelLinear`): ``[T, out_local / 2]``.
         A method that can finish it on the product's sums in one call overrides this."""
         return silu_and_mul(self.apply(layer, x, getattr(layer, "bias", None)))
+
+    def bound(self, layer: LinearBase) -> Bound | None:
+        """``x -> apply(layer, x, None)`` for an unbiased layer as the kernel call it makes, bound to the layer's
+        weights (the CPU's bound forward, :mod:`rtp.model.cpu_forward`): the same numbers without the method's
+        dispatch. None where this method has no such call (then the layer runs through its module)."""
+        return None
+
+    def bound_silu_mul(self, layer: LinearBase) -> Bound | None:
+        """As :meth:`bound`, for :meth:`apply_silu_mul`."""
+        product = self.bound(layer)
+        return None if product is None else lambda x: silu_and_mul(product(x))
 
 
 class PlainLinearMethod(LinearMethod):
@@ -209,6 +223,10 @@ class OneDNNPackedLinearMethod(_PackedLinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")  # as packed_linear
 
+    def bound(self, layer: LinearBase) -> Bound | None:
+        op, packed = torch.ops.mkldnn._linear_pointwise.default, layer.packed
+        return lambda x: op(x, packed, None, "none", [], "")
+
 
 class CpuGemmLinearMethod(_PackedLinearMethod):
     """Column panels for rtp's C++ GEMM (:mod:`rtp.kernels.cpu_gemm`). Only where it builds.
@@ -229,6 +247,13 @@ class CpuGemmLinearMethod(_PackedLinearMethod):
 
     def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return cpu_gemm.silu_mul(x, layer.packed, layer.out_features)  # type: ignore[arg-type]  # packed
+
+    def bound(self, layer: LinearBase) -> Bound | None:
+        glu = cpu_gemm.GLU_SPLIT if layer.gate_up else cpu_gemm.GLU_NONE
+        return cpu_gemm.bound(layer.packed, layer.out_features, None, glu)  # type: ignore[arg-type]  # packed
+
+    def bound_silu_mul(self, layer: LinearBase) -> Bound | None:
+        return cpu_gemm.bound(layer.packed, layer.out_features, None, cpu_gemm.GLU_SILU_MUL)  # type: ignore[arg-type]
 
 
 PLAIN = PlainLinearMethod()

@@ -15,6 +15,10 @@ import torch
 from rtp.config import CacheConfig, ModelConfig, RtpConfig
 from rtp.core.step import CachedSeq, NewSeq, StepPlan
 from rtp.distributed.parallel import ParallelState
+from rtp.kernels import cpu_int8_gemm
+from rtp.model.linear import onednn_packing_supported
+from rtp.model.quant import int8
+from rtp.runtime import model_runner
 from rtp.runtime.model_runner import ModelRunner
 from rtp.testing import TinyQwen3MoeSpec, TinyQwen3Spec, make_tiny_qwen3
 
@@ -23,17 +27,43 @@ SPEC = TinyQwen3Spec(hidden_size=128, intermediate_size=256, num_hidden_layers=3
                      num_key_value_heads=2, head_dim=32)
 
 
-def _runner(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto") -> ModelRunner:
-    config = RtpConfig(model=ModelConfig(dtype=dtype, enforce_eager=True),
+def _runner(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto", quantization: str | None = None) -> ModelRunner:
+    config = RtpConfig(model=ModelConfig(dtype=dtype, enforce_eager=True, quantization=quantization),
                        cache=CacheConfig(block_size=BLOCK, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype))  # type: ignore[arg-type]
     return ModelRunner(ParallelState.single("cpu"), model_dir, config)
 
 
+# How the linears multiply: rtp's panel GEMM (this CPU's pick), oneDNN's packed linear (the pick on other AVX-512
+# CPUs for fp32), int8 weight-only on the VNNI kernel where this CPU has it, and on the panel GEMM's int8 panels.
+LINEARS = ["gemm", "onednn", "int8", "int8-panels"]
+
+
+def _linears(monkeypatch, linears: str) -> str | None:
+    """Make the runners built next multiply their linears as ``linears`` says; returns their quantization."""
+    if linears == "onednn":
+        if not onednn_packing_supported(torch.device("cpu"), torch.bfloat16):
+            pytest.skip("oneDNN's packed bf16 linear does not run on this CPU")
+        monkeypatch.setattr(model_runner, "cpu_linear_method", lambda device, dtype: "onednn")
+    if linears == "int8" and not cpu_int8_gemm.available():
+        pytest.skip("no int8 VNNI kernel on this CPU")
+    if linears == "int8-panels":
+        monkeypatch.setattr(int8.cpu_int8_gemm, "available", lambda: False)
+    return "int8" if linears.startswith("int8") else None
+
+
+@pytest.mark.parametrize("linears", LINEARS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bound_steps_equal_the_modules_bit_for_bit(tmp_path, dtype):
+def test_bound_steps_equal_the_modules_bit_for_bit(tmp_path, monkeypatch, dtype, linears):
+    if linears == "int8-panels" and dtype == "bfloat16":
+        pytest.skip("int8 panels serve fp32 activations (bf16 ones take torch's int8 matmul, through the modules)")
     model_dir = make_tiny_qwen3(tmp_path / "m", SPEC)
-    bound, modules = _runner(model_dir, dtype), _runner(model_dir, dtype)
+    quantization = _linears(monkeypatch, linears)
+    bound, modules = (_runner(model_dir, dtype, quantization=quantization) for _ in range(2))
     assert bound.cpu_forward is not None, "the bound calls serve a dense model on CPU"
+    proj = bound.model.model.layers[0].mlp.down_proj
+    assert type(proj.method).__name__ == {"gemm": "CpuGemmLinearMethod", "onednn": "OneDNNPackedLinearMethod"}.get(
+        linears, "Int8WeightOnlyMethod")
+    assert proj.int8_vnni == (linears == "int8")
     modules.cpu_forward = None  # this one runs through the modules
     calls = []
     run = bound.cpu_forward.run
@@ -77,12 +107,18 @@ def test_bound_steps_equal_the_modules_bit_for_bit(tmp_path, dtype):
         assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
 
 
-def test_decode_goes_through_the_modules_where_the_bound_calls_would_differ(tmp_path, caplog):
+def test_decode_goes_through_the_modules_where_the_bound_calls_would_differ(tmp_path, monkeypatch, caplog):
     dense = make_tiny_qwen3(tmp_path / "dense", SPEC)
     # an FP8 cache: the torch attention path quantizes and dequantizes, the C++ kernels read the compute dtype
     with caplog.at_level(logging.INFO, logger="rtp"):
         assert _runner(dense, "float32", "fp8_e4m3").cpu_forward is None
     assert "steps run through the modules: the attention is not the C++ backend" in caplog.text
+    # int8 weights with bf16 activations and no VNNI kernel: torch's int8 matmul, no bound call
+    _linears(monkeypatch, "int8-panels")
+    with caplog.at_level(logging.INFO, logger="rtp"):
+        assert _runner(dense, "bfloat16", quantization="int8").cpu_forward is None
+    assert "a linear's method has no bound kernel call (Int8WeightOnlyMethod)" in caplog.text
+    monkeypatch.undo()
     # a sparse MoE block: not the dense MLP the bound calls run
     assert _runner(make_tiny_qwen3(tmp_path / "moe", TinyQwen3MoeSpec()), "float32").cpu_forward is None
     # EAGLE-3's auxiliary hidden states come from the modules

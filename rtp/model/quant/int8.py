@@ -30,7 +30,7 @@ from torch import nn
 
 from rtp.kernels import cpu_gemm, cpu_int8_gemm
 from rtp.model.embedding import ParallelLMHead
-from rtp.model.linear import PLAIN, ColumnParallelLinear, LinearBase, PlainLinearMethod, RowParallelLinear
+from rtp.model.linear import PLAIN, Bound, ColumnParallelLinear, LinearBase, PlainLinearMethod, RowParallelLinear
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +88,15 @@ class Int8WeightOnlyMethod(PlainLinearMethod):
         else:
             y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
         return y + bias if bias is not None else y
+
+    def bound(self, layer: LinearBase) -> Bound | None:
+        panels, scale = layer.int8_panels, layer.int8_scale
+        if panels is None or scale is None:
+            return None
+        if layer.int8_vnni:
+            return cpu_int8_gemm.bound(panels, layer.out_features, scale)
+        # the fp32 panels serve fp32 activations, the compute dtype (the scales') here
+        return cpu_gemm.bound(panels, layer.out_features, scale) if scale.dtype == torch.float32 else None
 
 
 INT8 = Int8WeightOnlyMethod()
