@@ -49,11 +49,13 @@ class ResponseBuilder:
         self.index = 0  # the choice index this builder writes
         self.echo: str | None = None  # completions: the prompt text to echo before the completion
         self._echo_sent = False
+        self.prompt_logprobs: int | None = None  # completions: how many top tokens prompt_logprobs name
+        self._prompt_logprobs_sent = False
 
     def for_choice(self, index: int) -> ResponseBuilder:
         """A builder for choice ``index`` (n > 1), with its own offsets and chat parser; call on a fresh builder."""
         b = copy.copy(self)
-        b.index, b._text_offset, b._echo_sent = index, 0, False
+        b.index, b._text_offset, b._echo_sent, b._prompt_logprobs_sent = index, 0, False, False
         b.chat_output = copy.deepcopy(self.chat_output)
         return b
 
@@ -80,12 +82,36 @@ class ResponseBuilder:
     def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
         return sorted(entry.items(), key=lambda kv: -kv[1])[: self.num_logprobs or 0]
 
-    def _top_dict(self, entry: dict[int, float]) -> dict[str, float]:
-        """Completions top_logprobs: text -> logprob; of two ids with the same text the likelier one wins."""
+    def _top_dict(self, entry: dict[int, float], chosen: int) -> dict[str, float]:
+        """Completions top_logprobs: text -> logprob of the top tokens and of the ``chosen`` one (sampled, or the
+        prompt's), as OpenAI's and vLLM's (up to logprobs + 1 entries); of two ids with the same text the likelier
+        one wins."""
         top: dict[str, float] = {}
         for k, v in self._top(entry):
             top.setdefault(self._token(k), self._finite(v))
+        if chosen in entry:
+            top.setdefault(self._token(chosen), self._finite(entry[chosen]))
         return top
+
+    def _prompt_logprobs(self, request: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        """Completions ``prompt_logprobs`` (vLLM's shape): per prompt token None for the first, else token id ->
+        ``{"logprob", "rank", "decoded_token"}`` of the top ``prompt_logprobs`` tokens and of the prompt's own
+        (its rank null where it is not among them)."""
+        if self.prompt_logprobs is None or request.prompt_logprobs is None:
+            return None
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for tid, entry in zip(request.prompt_token_ids, request.prompt_logprobs):
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[: self.prompt_logprobs]
+            d = {str(k): {"logprob": self._finite(v), "rank": r, "decoded_token": self._token(k)}
+                 for r, (k, v) in enumerate(ranked, 1)}
+            if tid in entry:
+                d.setdefault(str(tid), {"logprob": self._finite(entry[tid]), "rank": None,
+                                        "decoded_token": self._token(tid)})
+            out.append(d)
+        return out
 
     def _echo_logprobs(self, request: RequestOutput) -> tuple[dict[str, Any], int]:
         """Completions logprobs of the prompt tokens (echo; the first token has none) and their text length."""
@@ -96,15 +122,20 @@ class ResponseBuilder:
             tok = self._token(tid)
             tokens.append(tok)
             token_logprobs.append(None if entry is None else self._finite(entry.get(tid)))
-            top = None if entry is None else self._top_dict(entry)
+            top = None if entry is None else self._top_dict(entry, tid)
             top_logprobs.append(top)
             offsets.append(offset)
             offset += len(tok)
         return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                  "text_offset": offsets}, offset)
 
-    def _with_echo(self, choice: dict[str, Any], request: RequestOutput) -> None:
-        """Prefix the first completions choice this builder writes with the prompt."""
+    def _with_prompt(self, choice: dict[str, Any], request: RequestOutput) -> None:
+        """The first completions choice this builder writes: its ``prompt_logprobs`` (when asked) and the echo."""
+        if self.prompt_logprobs is not None and not self._prompt_logprobs_sent and not self.chat:
+            plp = self._prompt_logprobs(request)
+            if plp is not None:
+                self._prompt_logprobs_sent = True
+                choice["prompt_logprobs"] = plp
         if self.echo is None or self._echo_sent or self.chat:
             return
         self._echo_sent = True
@@ -137,7 +168,7 @@ class ResponseBuilder:
             tok = self._token(tid)
             tokens.append(tok)
             token_logprobs.append(self._finite(entry.get(tid)))
-            top_logprobs.append(self._top_dict(entry))
+            top_logprobs.append(self._top_dict(entry, tid))
             offsets.append(self._text_offset)
             self._text_offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
@@ -168,7 +199,7 @@ class ResponseBuilder:
             choice["text"] = out.text
         choice["logprobs"] = self._logprobs(out, 0)
         choice["finish_reason"] = finish_reason
-        self._with_echo(choice, request)
+        self._with_prompt(choice, request)
         return choice
 
     def first_chunk(self) -> dict[str, Any] | None:
@@ -204,7 +235,7 @@ class ResponseBuilder:
             choice["text"] = out.new_text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason if out.finished else None
-        self._with_echo(choice, request)
+        self._with_prompt(choice, request)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:

@@ -94,11 +94,20 @@ FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 # ---- completions ----
 
 
+class PromptLogprob(_Doc):
+    logprob: float
+    rank: int | None = Field(description="1 for the likeliest token; null for a prompt token outside the top ones")
+    decoded_token: str
+
+
 class CompletionChoice(_Doc):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None = Field(description="null in every stream chunk but the last")
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, description="with the prompt_logprobs parameter (in a stream, in the choice's first chunk): "
+                                  "per prompt token null for the first, else token id -> its logprob")
 
 
 class CompletionResponse(_Doc):

@@ -50,10 +50,47 @@ def test_echo_logprobs_equal_hf_log_softmax(client, model):
     assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for i in range(1, len(ids)):
         assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-4, i
-        assert 1 <= len(lp.top_logprobs[i]) <= 2  # keyed by text: two ids may decode alike
+        assert 1 <= len(lp.top_logprobs[i]) <= 3  # the top two and the prompt's token, keyed by text
+        assert lp.top_logprobs[i][lp.tokens[i]] >= lp.token_logprobs[i]  # two ids of one text: the likelier one's
         assert abs(max(lp.top_logprobs[i].values()) - ref[i - 1].max().item()) < 1e-4
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[len(ids)] == len(PROMPT)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3
+
+
+@pytest.mark.timeout(300)
+def test_prompt_logprobs_equal_hf_and_top_logprobs_name_the_sampled_token(client, model):
+    model_dir = default_model_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)  # [len, vocab]
+    for stream in (False, True):
+        kw = {"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "extra_body": {"prompt_logprobs": 2}}
+        if stream:
+            chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+            plp = [c.model_extra.get("prompt_logprobs") for c in chunks]
+            assert plp[0] is not None and all(p is None for p in plp[1:]), "in the first chunk only"
+            plp = plp[0]
+        else:
+            plp = client.completions.create(**kw).choices[0].model_extra["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        for i in range(1, len(ids)):
+            entry = plp[i]
+            assert str(ids[i]) in entry and abs(entry[str(ids[i])]["logprob"] - ref[i - 1, ids[i]].item()) < 1e-4
+            top = ref[i - 1].topk(2)
+            ranked = sorted((v for v in entry.values() if v["rank"] is not None), key=lambda v: v["rank"])
+            assert [v["rank"] for v in ranked] == [1, 2]
+            assert all(abs(v["logprob"] - t.item()) < 1e-4 for v, t in zip(ranked, top.values, strict=True))
+            assert len(entry) == 2 + (ids[i] not in top.indices.tolist())
+            assert entry[str(ids[i])]["decoded_token"] == tok.decode([ids[i]])
+    # Sampled: each position's top_logprobs name the sampled token beside the likeliest one (OpenAI's shape).
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=1.5, seed=3, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert any(max(t.values()) > lp.token_logprobs[i] for i, t in enumerate(lp.top_logprobs)), "a non-top token"
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] >= logprob and 1 <= len(top) <= 2  # two ids of one text: the likelier one's
+    assert sum(top[token] == logprob for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)) > 8
 
 
 @pytest.mark.timeout(300)

@@ -53,6 +53,7 @@ class GenerationRoutes:
         constraint = await ctx.constraint(req.grammar_spec())
         stream, ids, rid, _ = await ctx.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt", constraint)
         build = ResponseBuilder("text_completion", rid, ctx.model_name, ctx.tokenizer, len(ids), req.logprobs)
+        build.prompt_logprobs = req.prompt_logprobs
         if req.echo:
             prompt = req.prompt_value()
             build.echo = prompt if isinstance(prompt, str) else await ctx.off_loop(ctx.tokenizer.decode, prompt)
