@@ -33,6 +33,10 @@ class Runtime:
     def __init__(self, engine: Engine, transport: StepTransport) -> None:
         self.engine, self.transport = engine, transport
         self.closed = False
+        # The open generate() batches and streams share the engine: each one's steps run every request, so a
+        # step's outputs go to the mailbox of the call that owns them (request id -> (whether it wants every
+        # output, a stream's, or only the finished one; the outputs not yet taken)).
+        self._mailboxes: dict[str, tuple[bool, list[RequestOutput]]] = {}
         ps = transport.ps
         # Data parallelism: rank 0 spreads generate() batches over every replica's coordinator.
         self.replicas: ReplicaGroup | None = None
@@ -73,6 +77,13 @@ class Runtime:
     def step(self) -> list[RequestOutput]:
         """One engine step. A step that fails because a peer was lost becomes a WorkerDiedError naming it."""
         return self.transport.run_step(self.engine.step, self.engine.fail_all)
+
+    def _step_to_mailboxes(self) -> None:
+        """One step, its outputs delivered to the generate() or generate_stream() calls that own them."""
+        for out in self.step():
+            box = self._mailboxes.get(out.request_id)
+            if box is not None and (box[0] or out.finished):
+                box[1].append(snapshot(out) if box[0] else out)  # the engine keeps updating its own object
 
     def generate(
         self,
@@ -118,17 +129,18 @@ class Runtime:
             raise
 
     def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        wanted = set(ids)
+        pending = {rid: self._mailbox(rid, every=False) for rid in ids}
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start = self.engine.stats()
         last = (time.perf_counter(), start)
         try:  # the bar ends its line on every exit, so that an error printed next starts a line of its own
-            while len(done) < len(ids):
-                for out in self.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        bar.update(1)
+            while pending:
+                self._step_to_mailboxes()
+                for rid in [rid for rid, box in pending.items() if box]:
+                    done[rid] = pending.pop(rid)[0]
+                    del self._mailboxes[rid]
+                    bar.update(1)
                 now = time.perf_counter()
                 if use_tqdm and now - last[0] > 0.5:
                     stats = self.engine.stats()
@@ -139,6 +151,8 @@ class Runtime:
                     last = (now, stats)
         finally:
             bar.close()
+            for rid in pending:
+                self._mailboxes.pop(rid, None)
         end = self.engine.stats()
         logger.info(
             "generated %d requests: %d prompt tokens computed, %d prefix-cache hits, %d decode tokens, %d preemptions",
@@ -157,16 +171,26 @@ class Runtime:
                         ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it, until it finishes."""
         rid = self.engine.add_request(prompt, sampling_params)
+        box = self._mailbox(rid, every=True)
         finished = False
         try:
             while not finished:
-                for out in self.step():
-                    if out.request_id == rid:
-                        finished = out.finished
-                        yield snapshot(out)  # the engine keeps updating its own object
+                if not box:  # (another call's steps may have run this request meanwhile)
+                    self._step_to_mailboxes()
+                while box and not finished:
+                    out = box.pop(0)
+                    finished = out.finished
+                    yield out
         finally:
+            self._mailboxes.pop(rid, None)
             if not finished:  # closed early by the caller
                 self.engine.abort(rid)
+
+    def _mailbox(self, rid: str, every: bool) -> list[RequestOutput]:
+        """The list that collects request ``rid``'s outputs (``every`` one, else the finished one)."""
+        box: list[RequestOutput] = []
+        self._mailboxes[rid] = (every, box)
+        return box
 
     def shutdown(self) -> None:
         """Tell the workers to exit, then release the channel and the process group. Idempotent."""

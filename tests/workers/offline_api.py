@@ -45,5 +45,17 @@ stream.close()
 after = rtp.generate([[9, 9]], greedy, use_tqdm=False)
 assert len(after) == 1 and after[0].finish_reason == "length"
 assert rtp.generate([], greedy, use_tqdm=False) == []
+
+# Calls that overlap share the engine's steps; each gets its own request's outputs, all of them. A generate()
+# while a stream is open (its steps run the stream's request too, to its end), then two streams in lockstep.
+stream = rtp.generate_stream([5, 6, 7], greedy)
+first = next(stream)
+[mid] = rtp.generate("hello there", greedy, use_tqdm=False)
+rest = list(stream)
+assert mid.token_ids == text.token_ids
+assert [t for c in [first, *rest] for t in c.new_token_ids] == single.token_ids and rest[-1].finished
+pairs = list(zip(rtp.generate_stream([5, 6, 7], greedy), rtp.generate_stream("hello there", greedy), strict=True))
+for i, want in enumerate((single, text)):
+    assert [t for pair in pairs for t in pair[i].new_token_ids] == want.token_ids and pairs[-1][i].finished
 rtp.shutdown()
 print("OK")
