@@ -8,6 +8,7 @@ import mmap
 import torch
 
 from rtp.distributed.parallel import ParallelState
+from rtp.errors import ConfigError
 from rtp.log import get_logger
 from rtp.model.attention import PagedAttention
 
@@ -50,10 +51,15 @@ def plan_num_blocks(
         local = int(cpu_cache_gib * 2**30 // per_block)
     num_blocks = ps.min_int(local)
     if num_blocks < 1:
-        raise RuntimeError(
-            f"no room for the KV cache: {local} blocks of {per_block} bytes fit on rank {ps.rank}; "
-            "raise gpu_memory_utilization / cpu_kv_cache_gib, or use more ranks"
-        )
+        if fixed is not None:
+            knob = f"num_kv_blocks={fixed}"
+        elif ps.device.type == "cuda":
+            knob = f"gpu_memory_utilization={gpu_memory_utilization} (after {peak_bytes / 2**30:.2f} GiB of weights " \
+                   "and activations)"
+        else:
+            knob = f"cpu_kv_cache_gib={cpu_cache_gib}"
+        raise ConfigError(f"{knob} leaves no room for the KV cache: a block takes {per_block} bytes on each rank "
+                          f"({per_block / 2**30:.6f} GiB) and rank {ps.rank} fits {local}; raise it, or use more ranks")
     logger.info("KV cache: %d blocks of %.1f KiB per rank (local estimate %d)", num_blocks, per_block / 1024, local)
     if ps.device.type == "cpu":
         node_bytes, available = num_blocks * per_block * len(ps.local_ranks), available_memory()

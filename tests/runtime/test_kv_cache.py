@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rtp.distributed.parallel import ParallelState
+from rtp.errors import ConfigError
 from rtp.runtime import kv_cache
 from rtp.runtime.kv_cache import available_memory, plan_num_blocks, zeroed
 
@@ -57,3 +58,11 @@ def test_a_cache_larger_than_the_memory_available_is_reported(monkeypatch, caplo
 def test_available_memory_reads_the_kernels_figure():
     got = available_memory()
     assert got is None or 0 < got <= 2**50
+
+
+def test_a_budget_without_room_for_one_block_is_a_config_error_naming_it():
+    ps = ParallelState.single("cpu")
+    with pytest.raises(ConfigError, match=r"cpu_kv_cache_gib=1e-06 leaves no room .* a block takes 2097152 bytes"):
+        plan_num_blocks(ps, 2**21, fixed=None, cpu_cache_gib=1e-6, gpu_memory_utilization=0.9)
+    with pytest.raises(ConfigError, match="num_kv_blocks=0 leaves no room"):
+        plan_num_blocks(ps, 2**21, fixed=0, cpu_cache_gib=1.0, gpu_memory_utilization=0.9)
