@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ class Qwen3Spec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     attention_bias: bool
+    max_context: int | None = field(default=None, kw_only=True)
+    """The longest context the positions cover, where a static RoPE scaling stretches them (linear: its factor
+    times max_position_embeddings; yarn: times its original_max_position_embeddings); None: not stretched."""
 
     @classmethod
     def from_hf(cls, cfg) -> Qwen3Spec:  # noqa: ANN001 - a transformers PretrainedConfig
@@ -71,7 +74,13 @@ class Qwen3Spec:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=cfg.max_position_embeddings,
             attention_bias=bool(getattr(cfg, "attention_bias", False)),
+            max_context=_stretched_context(cfg),
         )
+
+    @property
+    def context_limit(self) -> int:
+        """Most tokens (prompt + completion) a sequence may hold: max_model_len's upper bound."""
+        return self.max_context or self.max_position_embeddings
 
     def check_tp(self, tp: int) -> None:
         """Raise ModelShapeError, naming the numbers, if this model cannot be split ``tp`` ways."""
@@ -89,6 +98,16 @@ class Qwen3Spec:
                 f"num_key_value_heads={kv} and tensor-parallel size {tp}: one must divide the other "
                 f"(KV heads are split when tp <= {kv} and replicated when tp is a multiple of {kv})"
             )
+
+
+def _stretched_context(cfg) -> int | None:  # noqa: ANN001 - a transformers PretrainedConfig
+    """The context a static RoPE scaling of ``cfg`` covers (as vLLM derives it), or None without one."""
+    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    kind, factor = params.get("rope_type", params.get("type")), params.get("factor")
+    if kind not in ("linear", "yarn") or not factor:
+        return None
+    base = params.get("original_max_position_embeddings") if kind == "yarn" else None
+    return int((base or cfg.max_position_embeddings) * factor)
 
 
 class Qwen3Attention(nn.Module):

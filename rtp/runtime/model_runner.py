@@ -255,6 +255,12 @@ class ModelRunner:
                                                   config.parallel.expert_parallel, model_config.quantization,
                                                   config.parallel.pipeline_layer_partition)
         self.spec = self.model.spec
+        limit = self.spec.context_limit
+        if model_config.max_model_len is not None and model_config.max_model_len > limit:
+            stretched = "" if self.spec.max_context is None else " as its RoPE scaling stretches them"
+            raise ConfigError(f"max_model_len={model_config.max_model_len} is longer than the {limit} positions the "
+                              f"model covers (max_position_embeddings={self.spec.max_position_embeddings}"
+                              f"{stretched}): positions past them were never trained; lower it")
         self.max_model_len = model_config.max_model_len or self.spec.max_position_embeddings
         self.block_size = block_size
         layers = self.model.attention_layers()
