@@ -52,6 +52,12 @@ class ModelInfo:
         """Load the tokenizer, the EOS ids and (``generation_config="auto"``) the sampling defaults of the
         checkpoint in ``model_dir``."""
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if not tokenizer.encode("a b", add_special_tokens=False):
+            # (transformers builds an empty tokenizer from config.json's model_type where the files are missing)
+            found = sorted(p.name for p in Path(model_dir).glob("*") if p.name.startswith(("tokenizer", "vocab")))
+            raise ConfigError(f"{model_dir} has no usable tokenizer ({', '.join(found) or 'no tokenizer files'}): "
+                              "the checkpoint's tokenizer.json (or vocab.json + merges.txt) and tokenizer_config.json "
+                              "belong in the same folder")
         path = Path(model_dir) / GENERATION_CONFIG
         gen = json.loads(path.read_text()) if path.exists() else {}  # read once for the EOS ids and the defaults
         defaults = sampling_defaults_of(gen, path) if generation_config == "auto" else {}

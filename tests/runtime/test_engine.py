@@ -7,6 +7,7 @@ scheduler, sampler, detokenizer and engine together in milliseconds.
 
 from __future__ import annotations
 
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -228,3 +229,11 @@ def test_a_bad_generation_config_value_fails_at_start_naming_the_file(model_dir,
     bare = with_generation_config(model_dir, tmp_path / "bare")
     (bare / GENERATION_CONFIG).unlink()
     assert ModelInfo.load(bare, VOCAB, 64, generation_config="auto").sampling_defaults == {}  # no file: no defaults
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused_at_load(tmp_path):
+    folder = tmp_path / "notok"
+    shutil.copytree(default_model_dir(), folder, ignore=shutil.ignore_patterns("tokenizer*"))
+    assert ModelInfo.load(default_model_dir(), 4096, 64).tokenizer.encode("a b", add_special_tokens=False)
+    with pytest.raises(ConfigError, match="notok has no usable tokenizer"):
+        ModelInfo.load(folder, 4096, 64)
