@@ -60,6 +60,8 @@ class SamplingParams:
     """Per-request seed: the same seed gives the same output whatever else is batched."""
     stop: str | list[str] | None = None
     """Strings that end generation; the output is truncated before the stop string."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the output at its end (vLLM's name)."""
     stop_token_ids: list[int] | None = None
     """Token ids that end generation (the stop token is kept in token_ids, not in text)."""
     max_tokens: int | None = 16
@@ -114,8 +116,8 @@ class SamplingParams:
             raise bad("top_k", "expected -1 (disabled), 0 (disabled) or a positive integer")
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "expected a number in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "expected an integer or None")
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", "expected an integer in [-2**63, 2**64) or None")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "expected a positive integer or None")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -124,6 +126,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "expected true or false")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "expected true or false")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "expected true or false")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):

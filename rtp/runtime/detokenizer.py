@@ -137,6 +137,7 @@ class IncrementalDetokenizer:
         self._additive = decoder.additive
         self._memo = decoder.memo(params.skip_special_tokens)  # read directly on the hot path
         self._stop_strings = list(params.stop_strings)
+        self._keep_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self._stop_strings), default=0)
         # A tail of the text can only be the start of a stop string if it ends in one of these.
         self._stop_heads = frozenset(c for stop in self._stop_strings for c in stop[:-1])
@@ -260,19 +261,20 @@ class IncrementalDetokenizer:
             self._emitted = len(text)
             return text[emitted:], False
 
-        match = -1
+        match, end = -1, -1
         for stop in self._stop_strings:
             pos = text.find(stop, search_from)
             if pos >= 0 and (match < 0 or pos < match):
-                match = pos
+                match, end = pos, pos + len(stop)
         if match >= 0:
             # Held-back text covers every partial stop string, so nothing
             # emitted so far can belong to this match.
             assert match >= emitted, (match, emitted)
-            self._text = text[:match]
+            cut = end if self._keep_stop else match  # (text after the stop string is dropped either way)
+            self._text = text[:cut]
             self._stopped = True
-            self._emitted = match
-            return text[emitted:match], True
+            self._emitted = cut
+            return text[emitted:cut], True
 
         safe_end = len(text) - self._partial_stop_len() if text[-1] in self._stop_heads else len(text)
         assert safe_end >= emitted, (safe_end, emitted)

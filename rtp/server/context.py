@@ -211,7 +211,8 @@ class ServerContext:
         return choice, None  # type: ignore[return-value]  # "none", "auto" or "required"
 
     async def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                          kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> str:
+                          kwargs: dict[str, Any] | None, add_generation_prompt: bool,
+                          continue_final_message: bool = False) -> str:
         """The chat template applied (off the loop); 400 when it rejects the messages."""
         bad = sorted(set(kwargs or {}) & TEMPLATE_RESERVED)
         if bad:
@@ -219,7 +220,8 @@ class ServerContext:
                                 "tokenizer arguments", "chat_template_kwargs")
         try:
             return await self.off_loop(self.tokenizer.apply_chat_template, conversation, tools=tools,
-                                       add_generation_prompt=add_generation_prompt, tokenize=False, **(kwargs or {}))
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, tokenize=False, **(kwargs or {}))
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors: the template rejected these messages

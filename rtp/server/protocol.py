@@ -10,7 +10,7 @@ ignored, so a client never gets an answer to a question it did not ask; their
 fields admit only the supported value (``best_of`` at most 1, ``suffix`` empty
 ...), so the published schema says so too, and :func:`unsupported_hint`
 turns such an error into a message that says what rtp supports.
-rtp extras (vLLM names): top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
+rtp extras (vLLM names): top_k, min_p, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, repetition_penalty, allowed_token_ids, prompt_logprobs (completions);
 structured outputs as ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` or the ``structured_outputs`` object (and OpenAI's ``response_format`` in chat);
@@ -116,7 +116,8 @@ class CommonRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[NonEmptyText] | None = None  # "" means no stop string, as in SamplingParams
-    seed: int | None = None
+    include_stop_str_in_output: bool | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(
@@ -140,6 +141,15 @@ class CommonRequest(_Strict):
     guided_choice: list[str] | None = Field(default=None, min_length=1, description="the output is one of these")
     guided_grammar: str | None = Field(default=None, description="an EBNF grammar (xgrammar's dialect)")
     structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop_strings(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:  # noqa: ANN401
+        """One error that says what stop may be, instead of one per member of the union."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("stop_type", "must be a string or a list of non-empty strings") from None
 
     def check_supported(self) -> None:
         """Raise ApiError(400) for what the field types cannot say (combinations of fields)."""
@@ -184,7 +194,8 @@ class CommonRequest(_Strict):
         kwargs: dict[str, Any] = {**(defaults or {}), "max_tokens": max_tokens, "logprobs": logprobs}
         for name in ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "min_tokens", "ignore_eos",
                      "stop_token_ids", "skip_special_tokens", "n", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs"):
+                     "repetition_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                     "include_stop_str_in_output"):
             value = getattr(self, name, None)
             if value is not None:
                 kwargs[name] = value
@@ -285,9 +296,12 @@ class ChatMessage(_Strict):
             return self.content
         parts = []
         for j, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise ApiError(400, f"content part of type {part.type!r} is not supported: only text parts",
                                f"messages.{index}.content.{j}.type")
+            if part.text is None:
+                raise ApiError(400, 'a content part of type "text" needs its "text"',
+                               f"messages.{index}.content.{j}.text")
             parts.append(part.text)
         return "".join(parts)
 
@@ -350,9 +364,19 @@ class ChatCompletionRequest(CommonRequest):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description='extra chat template variables, e.g. {"enable_thinking": false}')
+    add_generation_prompt: bool = Field(default=True, description="open the assistant's turn after the messages")
+    continue_final_message: bool = Field(
+        default=False, description="continue the last message, an assistant's, instead of closing it (with "
+                                   "add_generation_prompt false)")
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message continues the last message: send add_generation_prompt "
+                                "false with it", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ApiError(400, f"continue_final_message continues the last message, which is a "
+                                f"{self.messages[-1].role!r} one: it must be the assistant's", "continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         choice = self.tool_choice

@@ -116,14 +116,16 @@ def test_special_tokens_in_output(tokenizer: PreTrainedTokenizerFast) -> None:
 
 
 def reference_stop(
-    tokenizer: PreTrainedTokenizerFast, ids: list[int], stops: list[str]
+    tokenizer: PreTrainedTokenizerFast, ids: list[int], stops: list[str], keep: bool = False
 ) -> tuple[str, int | None]:
-    """Text and stopping token index the way a generation loop would see it, by re-decoding every prefix."""
+    """Text and stopping token index the way a generation loop would see it, by re-decoding every prefix
+    (``keep``: include_stop_str_in_output, the earliest match's stop string kept, the first listed on a tie)."""
     for k in range(1, len(ids) + 1):
         text = tokenizer.decode(ids[:k], skip_special_tokens=True)
-        positions = [text.find(s) for s in stops if s in text]
-        if positions:
-            return text[: min(positions)], k - 1
+        found = [(text.find(s), i) for i, s in enumerate(stops) if s in text]
+        if found:
+            pos, i = min(found)
+            return text[: pos + len(stops[i]) if keep else pos], k - 1
     return tokenizer.decode(ids, skip_special_tokens=True), None
 
 
@@ -138,6 +140,14 @@ def test_stop_string_spanning_tokens(tokenizer: PreTrainedTokenizerFast) -> None
     assert stopped_at < len(ids) - 1
     assert "".join(deltas) == "the quick brown "
     assert (detok.text, stopped_at) == reference_stop(tokenizer, ids, [stop])
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode("the quick brown fox jumps over a lazy dog", add_special_tokens=False)
+    params = SamplingParams(stop=["lazy", "fox jumps"], include_stop_str_in_output=True)
+    detok, deltas, stopped_at = stream(tokenizer, ids, params)
+    assert detok.stopped and detok.text == "".join(deltas) == "the quick brown fox jumps"
+    assert stopped_at == reference_stop(tokenizer, ids, ["fox jumps"])[1]
 
 
 def test_stop_string_at_the_start(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -170,9 +180,12 @@ def test_random_stop_strings_match_reference(tokenizer: PreTrainedTokenizerFast)
                 stops.append(text[start : start + rng.randint(1, 6)])
             else:
                 stops.append(random_text(rng, 2).strip() or "x")
-        detok, deltas, stopped_at = stream(tokenizer, ids, SamplingParams(stop=stops))
-        expected_text, expected_index = reference_stop(tokenizer, ids, stops)
-        assert (detok.text, stopped_at) == (expected_text, expected_index), (text, stops)
+        keep = rng.random() < 0.5
+        params = SamplingParams(stop=stops, include_stop_str_in_output=keep)
+        detok, deltas, stopped_at = stream(tokenizer, ids, params)
+        expected_text, expected_index = reference_stop(tokenizer, ids, stops, keep)
+        assert (detok.text, stopped_at) == (expected_text, expected_index), (text, stops, keep)
+        assert "".join(deltas) == detok.text
         assert detok.stopped == (expected_index is not None)
         # No emitted text contains any part of the stop string that matched.
         assert "".join(deltas) == expected_text

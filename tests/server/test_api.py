@@ -250,6 +250,28 @@ def test_chat_applies_template_and_maps_chat_fields(served, tokenizer):
         assert bytes(entry["bytes"]).decode() == entry["token"]
 
 
+def test_chat_template_switches_and_vllm_sampling_fields_reach_the_engine(served, tokenizer):
+    client, engine, _ = served
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
+    cases = [({}, dict(add_generation_prompt=True)),
+             ({"add_generation_prompt": False}, dict(add_generation_prompt=False)),
+             ({"add_generation_prompt": False, "continue_final_message": True},
+              dict(add_generation_prompt=False, continue_final_message=True))]
+    prompts = []
+    for fields, template in cases:
+        r = client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 2, **fields})
+        assert r.status_code == 200, r.text
+        want = tokenizer.apply_chat_template(turns, tokenize=False, **template)
+        assert engine.added[-1][0] == tokenizer.encode(want, add_special_tokens=False)
+        prompts.append(want)
+    assert len(set(prompts)) == 3 and prompts[2].endswith("Well")  # the assistant's message left open
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "stop": ["x"], "seed": -5,
+                                             "include_stop_str_in_output": True})
+    assert r.status_code == 200, r.text
+    params = engine.added[-1][1]
+    assert params.include_stop_str_in_output and params.stop_strings == ["x"] and params.seed == -5
+
+
 def test_completion_logprobs_shape(served):
     client, _, _ = served
     r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4, "logprobs": 1})
@@ -417,6 +439,14 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "guided_json": {"type": "no-such-type"}}, 400, "guided_json"),
     ("chat/completions", {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
     ("chat/completions", {"messages": MSG, "model": "nope"}, 404, "model"),
+    ("completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "a", "seed": 2**64}, 400, "seed"),
+    ("completions", {"prompt": "a", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages.0.content.0.text"),
+    ("chat/completions", {"messages": MSG, "continue_final_message": True}, 400, "continue_final_message"),
+    ("chat/completions", {"messages": MSG, "continue_final_message": True, "add_generation_prompt": False}, 400,
+     "continue_final_message"),  # the last message is the user's
 ]
 
 

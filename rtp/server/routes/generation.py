@@ -66,7 +66,8 @@ class GenerationRoutes:
         ctx.check_model(req)
         req.check_supported()
         mode, tool_name = ctx.tool_mode(req)
-        text = await ctx.render_chat(req.conversation(), req.tool_dicts(), req.chat_template_kwargs, True)
+        text = await ctx.render_chat(req.conversation(), req.tool_dicts(), req.chat_template_kwargs,
+                                     req.add_generation_prompt, req.continue_final_message)
         constraint = await ctx.constraint(req.tool_grammar() or req.grammar_spec())
         stream, ids, rid, _ = await ctx.submit(req, text, req.num_logprobs(), "chatcmpl", "messages", constraint)
         output = None
