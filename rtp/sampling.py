@@ -57,7 +57,10 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the most likely token's."""
     seed: int | None = None
-    """Per-request seed: the same seed gives the same output whatever else is batched."""
+    """Per-request seed: the sampler's draws for a seed are the same whatever else is batched. The tokens are too
+    where the logits are: another batch (n > 1, concurrent requests) changes a row's logits by rounding only, which
+    in float32 practically never moves a sampled token, while in bfloat16 it can (as in vLLM without its
+    batch-invariant mode)."""
     stop: str | list[str] | None = None
     """Strings that end generation; the output is truncated before the stop string."""
     include_stop_str_in_output: bool = False
