@@ -78,7 +78,8 @@ def _runtime():  # noqa: ANN202
 
 
 def generate(prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:  # noqa: ANN001
-    """Generate for a string, a token-id list, or a list of either; outputs in prompt order.
+    """Generate for a string, a token-id list, or a list (or tuple) of either; outputs in prompt order. vLLM's
+    prompt dicts, ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``, and numpy ids work too.
 
     ``sampling_params`` None: :func:`default_sampling_params` (the checkpoint's recommended settings)."""
     return _runtime().generate(prompts, sampling_params, use_tqdm)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from numbers import Integral
+from typing import Any
 
 from tqdm import tqdm
 
@@ -93,12 +95,13 @@ class Runtime:
     ) -> list[RequestOutput]:
         """Generate completions for a batch; outputs come back in prompt order."""
         batch: list  # of strings and token-id lists
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             batch = [prompts]
-        elif isinstance(prompts, list):
-            batch = prompts
+        elif isinstance(prompts, (list, tuple)):
+            batch = list(prompts)
         else:
             raise TypeError("prompts must be a string, a list of token ids, or a list of either")
+        batch = [_as_prompt(p, f"prompt {i}") for i, p in enumerate(batch)]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(batch):
                 raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(batch)} prompts")
@@ -170,7 +173,7 @@ class Runtime:
     def generate_stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
                         ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it, until it finishes."""
-        rid = self.engine.add_request(prompt, sampling_params)
+        rid = self.engine.add_request(_as_prompt(prompt, "the prompt"), sampling_params)
         box = self._mailbox(rid, every=True)
         finished = False
         try:
@@ -204,3 +207,27 @@ class Runtime:
                 logger.warning("the other replicas did not confirm the shutdown: %s", e)
         self.transport.close()
         logger.info("shut down")
+
+
+def _is_token_ids(p: Any) -> bool:  # noqa: ANN401
+    """Whether ``p`` is one prompt's token ids: a list, tuple or array of integers (numpy's included)."""
+    if hasattr(p, "tolist") and not isinstance(p, str):  # a numpy array or a tensor
+        p = p.tolist()
+    return isinstance(p, (list, tuple)) and len(p) > 0 and isinstance(p[0], Integral) and not isinstance(p[0], bool)
+
+
+def _as_prompt(p: Any, name: str) -> Any:  # noqa: ANN401
+    """One prompt as the engine takes it (text, or a list of token ids) from vLLM's offline forms too: a
+    ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` dict, ids in a tuple or an array, numpy integers.
+    Anything else is passed on as it is, for the engine's checks to name."""
+    if isinstance(p, dict):
+        keys = [k for k in ("prompt", "prompt_token_ids") if k in p]
+        others = sorted(set(p) - {"prompt", "prompt_token_ids"})
+        if len(keys) != 1 or others:
+            raise RequestError(f"{name}: a dict prompt holds one of 'prompt' (text) or 'prompt_token_ids', got "
+                               f"the keys {sorted(p)}")
+        p = p[keys[0]]
+    if _is_token_ids(p):
+        ids = p.tolist() if hasattr(p, "tolist") else p
+        return [int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t for t in ids]
+    return p

@@ -11,6 +11,19 @@ rtp.init(None, log_level="WARNING")
 [text] = rtp.generate("hello there", greedy, use_tqdm=False)
 mixed = rtp.generate([[5, 6, 7], "hello there"], greedy, use_tqdm=False)
 assert [o.token_ids for o in mixed] == [single.token_ids, text.token_ids]
+# vLLM's offline forms: prompt dicts, a tuple of prompts, numpy ids.
+import numpy as np  # noqa: E402
+
+vllm_forms = rtp.generate(({"prompt_token_ids": np.array([5, 6, 7])}, {"prompt": "hello there"}), greedy,
+                          use_tqdm=False)
+assert [o.token_ids for o in vllm_forms] == [single.token_ids, text.token_ids]
+assert rtp.generate({"prompt": "hello there"}, greedy, use_tqdm=False)[0].token_ids == text.token_ids
+assert rtp.generate(np.array([5, 6, 7]), greedy, use_tqdm=False)[0].token_ids == single.token_ids
+try:
+    rtp.generate(["a", {"text": "b"}], greedy, use_tqdm=False)
+    raise AssertionError("a dict without prompt or prompt_token_ids was accepted")
+except RequestError as e:
+    assert "prompt 1: a dict prompt holds one of 'prompt' (text) or 'prompt_token_ids'" in str(e), e
 assert len(single.token_ids) == 6 and single.finish_reason == "length"
 
 # Per-prompt params are applied in order.
