@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import Any
 
 import rtp
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
     except RtpError as e:
         return fail(e)
+    except KeyboardInterrupt:
+        print("rtp generate: interrupted", file=sys.stderr)
+        return 130
     finally:
         rtp.shutdown()
     lines = [json.dumps(_output_line(o)) for o in outputs]

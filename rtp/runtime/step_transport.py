@@ -105,7 +105,8 @@ class StepTransport:
         finally:
             self.in_step = False
             if self.stop_signal is not None:
-                raise SystemExit(128 + self.stop_signal)  # deferred signal: unwinds to rtp.shutdown()
+                signum, self.stop_signal = self.stop_signal, None
+                raise _interruption(signum)  # deferred signal: unwinds to rtp.shutdown() or the caller's handler
 
     # ---- liveness ----
 
@@ -168,11 +169,11 @@ class StepTransport:
             # Inside a step, stop when it ends: leaving in the middle would strand the workers
             # in a collective. Outside a step (or on a second signal), stop at once.
             if self.in_step and self.stop_signal is None:
-                logger.info("received %s: shutting down after the current step", signal.Signals(signum).name)
+                logger.info("received %s: %s after the current step", signal.Signals(signum).name, _stopping(signum))
                 self.stop_signal = signum
                 return
-            logger.info("received %s: shutting down", signal.Signals(signum).name)
-            raise SystemExit(128 + signum)
+            logger.info("received %s: %s", signal.Signals(signum).name, _stopping(signum))
+            raise _interruption(signum)
 
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -222,3 +223,14 @@ class StepTransport:
                 # A hung peer cannot exit on its own. Killed only now, because torchrun answers a
                 # rank's death by signalling the others, which would cut this cleanup short.
                 kill_hung(self.watchdog.failure)
+
+
+def _interruption(signum: int) -> BaseException:
+    """What a stop signal raises on rank 0: KeyboardInterrupt for SIGINT (Ctrl-C in a script, a REPL or a
+    notebook, which may catch it: a step it waited for has ended, and generate() aborts its requests), else
+    SystemExit(128 + signum)."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+
+
+def _stopping(signum: int) -> str:
+    return "interrupting" if signum == signal.SIGINT else "shutting down"

@@ -70,5 +70,22 @@ assert [t for c in [first, *rest] for t in c.new_token_ids] == single.token_ids 
 pairs = list(zip(rtp.generate_stream([5, 6, 7], greedy), rtp.generate_stream("hello there", greedy), strict=True))
 for i, want in enumerate((single, text)):
     assert [t for pair in pairs for t in pair[i].new_token_ids] == want.token_ids and pairs[-1][i].finished
+
+# Ctrl-C (SIGINT) during generate(): a KeyboardInterrupt the script may catch; its requests are aborted and the
+# runtime goes on serving.
+import os  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+
+long = rtp.SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+timer.start()
+try:
+    rtp.generate([[5, 6, 7]] * 256, long, use_tqdm=False)
+    raise AssertionError("generate() was not interrupted")
+except KeyboardInterrupt:
+    pass
+timer.join()
+assert rtp.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].token_ids == single.token_ids
 rtp.shutdown()
 print("OK")
