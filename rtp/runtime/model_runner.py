@@ -194,7 +194,10 @@ def load_model(
     on CPU and kept packed for its Triton GEMMs on CUDA;
     ``quantization="int8"`` then makes the attention and MLP projections and the LM head int8.
     """
-    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    try:
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:  # an unreadable or malformed config.json (JSON errors are ValueErrors)
+        raise ConfigError(f"{model_dir}/config.json cannot be read as a Hugging Face config: {e}") from None
     is_moe = getattr(hf_config, "model_type", None) == "qwen3_moe"
     spec = Qwen3MoeSpec.from_hf(hf_config) if is_moe else Qwen3Spec.from_hf(hf_config)
     quant = checkpoint_format(hf_config)  # FP8 blocks, AWQ, or None for a float checkpoint

@@ -1,5 +1,5 @@
-"""max_model_len against the positions a checkpoint covers (its max_position_embeddings, stretched by a static
-RoPE scaling as vLLM derives it)."""
+"""A checkpoint folder's checks at load: a readable config.json, and max_model_len within the positions it covers
+(its max_position_embeddings, stretched by a static RoPE scaling as vLLM derives it)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,10 @@ def test_max_model_len_past_the_models_positions_is_refused(tmp_path):
     assert _runner(yarn, 96).max_model_len == 96
     with pytest.raises(ConfigError, match="the 96 positions .* as its RoPE scaling stretches them"):
         _runner(yarn, 97)
+
+
+def test_a_malformed_config_json_is_a_config_error_naming_it(tmp_path):
+    folder = make_tiny_qwen3(tmp_path / "m", TinyQwen3Spec(max_position_embeddings=64))
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"m/config.json cannot be read as a Hugging Face config"):
+        _runner(folder, None)
