@@ -5,6 +5,7 @@ fake-engine app. End-to-end generation is in test_structured_e2e.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -213,6 +214,19 @@ def test_tools_and_template_kwargs_reach_the_prompt(served, tokenizer):
     r = client.post("/v1/chat/completions", json={"messages": MSGS, "tools": [TOOL], "max_tokens": 2,
                                                   "tool_choice": {"type": "function", "function": {"name": "g"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name"
+
+
+def test_detokenize_takes_the_models_padded_vocabulary(tokenizer):
+    # ids past the tokenizer in the model's padded vocabulary (which prompts may hold, and a model may generate)
+    # have no text; ids past the vocabulary are a 400
+    engine = FakeEngine(tokenizer)
+    info = dataclasses.replace(fake_model_info(engine), vocab_size=VOCAB)
+    assert len(tokenizer) < VOCAB
+    with TestClient(build_app(AsyncEngine(engine), load_config(None), info)) as client:
+        ids = tokenizer.encode("Hello world")
+        assert client.post("/detokenize", json={"tokens": [*ids, VOCAB - 1]}).json() == {"prompt": "Hello world"}
+        r = client.post("/detokenize", json={"tokens": [*ids, VOCAB]})
+        assert r.status_code == 400 and "vocabulary has 512 tokens" in r.json()["error"]["message"]
 
 
 def test_tokenize_detokenize_version(served, tokenizer):

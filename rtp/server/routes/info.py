@@ -96,11 +96,13 @@ class InfoRoutes:
         req: DetokenizeRequest = await ctx.read_body(request, DetokenizeRequest)
         if req.model is not None:
             ctx.check_model_name(req.model)
-        size = len(ctx.tokenizer)
-        bad = [t for t in req.tokens if t >= size]
+        # The model's vocabulary bounds the ids, as for prompts; its padding rows past the tokenizer have no text.
+        vocab, size = ctx.info.vocab_size, len(ctx.tokenizer)
+        bad = [t for t in req.tokens if t >= vocab]
         if bad:
-            raise ApiError(400, f"token id {bad[0]} is out of range: the tokenizer has {size} tokens", "tokens")
-        return {"prompt": await ctx.off_loop(ctx.tokenizer.decode, req.tokens)}
+            raise ApiError(400, f"token id {bad[0]} is out of range: the model's vocabulary has {vocab} tokens",
+                           "tokens")
+        return {"prompt": await ctx.off_loop(ctx.tokenizer.decode, [t for t in req.tokens if t < size])}
 
     async def version(self) -> dict[str, Any]:
         """GET /version."""
