@@ -57,6 +57,14 @@ def with_generation_config(src: Path, dst: Path, **settings: Any) -> Path:  # no
     return dst
 
 
+def with_positions(model_dir: Path, positions: int) -> Path:
+    """``model_dir`` (a copy made by the caller) whose config.json says ``max_position_embeddings: positions``: a
+    longer context for a test that needs long runs of the tiny model (rtp refuses a max_model_len past it)."""
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_position_embeddings": positions}))
+    return model_dir
+
+
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF transformers' greedy continuation, never stopping early at EOS.
 

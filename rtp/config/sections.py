@@ -79,7 +79,8 @@ class ModelConfig(Section):
     products computed in int8). None: the checkpoint's own format (a quantized checkpoint's
     quantization_config is always read)."""
     max_model_len: int | None = setting(None, integer(1, nullable=True))
-    """Longest prompt + completion in tokens, >= 1; None means the model's max_position_embeddings."""
+    """Longest prompt + completion in tokens, >= 1; None means the model's max_position_embeddings. A value past
+    the positions the model covers (max_position_embeddings, stretched by a linear or yarn RoPE scaling) is refused."""
     enforce_eager: bool = setting(False, BOOL)
     """True disables CUDA graphs (every decode step runs eagerly)."""
     cuda_graph_max_batch: int = setting(256, integer(1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rtp.testing import default_model_dir
-from tests.utils import REPO, rank_pids
+from tests.utils import REPO, rank_pids, with_positions
 
 pytestmark = pytest.mark.slow
 
@@ -316,8 +317,10 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(se
     # A server of its own with a long context: 8000 tokens take several times the grace even on a fast
     # decode path (the tiny model's 2048 positions allowed only ~4 s, about the grace itself).
     config = servers["tmp"] / "long.yaml"
-    config.write_text((servers["tmp"] / "cpu.yaml").read_text().replace("max_num_seqs: 64", "max_num_seqs: 64\n"
-                      "max_model_len: 8192") + "  max_tokens_limit: 8192\n")
+    model = with_positions(Path(shutil.copytree(default_model_dir(), servers["tmp"] / "long-model")), 8192)
+    base = (servers["tmp"] / "cpu.yaml").read_text().replace(str(default_model_dir()), str(model))
+    config.write_text(base.replace("max_num_seqs: 64", "max_num_seqs: 64\nmax_model_len: 8192")
+                      + "  max_tokens_limit: 8192\n")
     server = launch(servers["tmp"], "grace", config, "--api-server-count", "0")
     try:
         wait_ready(server)

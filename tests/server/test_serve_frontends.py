@@ -32,7 +32,7 @@ from tests.server.test_serve_e2e import (
     wait_for_metric,
     wait_ready,
 )
-from tests.utils import hf_greedy, with_generation_config
+from tests.utils import hf_greedy, with_generation_config, with_positions
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,8 @@ def servers(tmp_path_factory):
     )
     # The SIGTERM server has a long context: 8000 tokens take several times the grace. Its checkpoint (a copy)
     # recommends greedy decoding in generation_config.json: the frontend must apply it to requests.
-    greedy_model = with_generation_config(default_model_dir(), tmp / "greedy-model", temperature=0.0, top_p=0.5)
+    greedy_model = with_positions(with_generation_config(default_model_dir(), tmp / "greedy-model", temperature=0.0,
+                                                         top_p=0.5), 8192)
     long = tmp / "long.yaml"
     long.write_text(config.read_text().replace(str(default_model_dir()), str(greedy_model))
                     .replace("max_num_seqs: 16", "max_num_seqs: 16\nmax_model_len: 8192")
