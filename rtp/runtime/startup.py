@@ -73,8 +73,11 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
     except BaseException:
         # Every rank usually fails the same way (a bad model, a bad shape): stop watching, so a peer
         # leaving first is not reported on top of the real error. The heartbeat keeps beating until
-        # this process exits, so the peers do not take this rank for a hung one meanwhile.
+        # this process exits, so the peers do not take this rank for a hung one meanwhile; without peers it
+        # stops too (a script may catch the error and init again).
         watchdog.stop()
+        if world.world_size == 1:
+            heartbeat.stop()
         raise
 
 

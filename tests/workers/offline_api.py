@@ -1,9 +1,18 @@
 """Run as a script (one rank): rtp.generate / generate_stream input forms and bookkeeping. Prints OK."""
 
+import threading
+
 import rtp
-from rtp.errors import RequestError
+from rtp.errors import ConfigError, RequestError
 
 greedy = rtp.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+# A failed init (no room for the KV cache) leaves no thread behind, and init works after it.
+try:
+    rtp.init(None, log_level="WARNING", cpu_kv_cache_gib=1e-6)
+    raise AssertionError("a KV cache without room for one block was accepted")
+except ConfigError:
+    pass
+assert not [t for t in threading.enumerate() if t.name.startswith("rtp-")], threading.enumerate()
 rtp.init(None, log_level="WARNING")
 
 # One token-id list, one string, and a mixed list give the same outputs for the same prompts.
@@ -75,7 +84,6 @@ for i, want in enumerate((single, text)):
 # runtime goes on serving.
 import os  # noqa: E402
 import signal  # noqa: E402
-import threading  # noqa: E402
 
 long = rtp.SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
