@@ -132,18 +132,19 @@ class Runtime:
             raise
 
     def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = {rid: self._mailbox(rid, every=False) for rid in ids}
+        finished = self._mailbox(ids, every=False)  # one for the batch: a step's scan is of its finished requests
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start = self.engine.stats()
         last = (time.perf_counter(), start)
         try:  # the bar ends its line on every exit, so that an error printed next starts a line of its own
-            while pending:
+            while len(done) < len(ids):
                 self._step_to_mailboxes()
-                for rid in [rid for rid, box in pending.items() if box]:
-                    done[rid] = pending.pop(rid)[0]
-                    del self._mailboxes[rid]
+                for out in finished:
+                    done[out.request_id] = out
+                    del self._mailboxes[out.request_id]
                     bar.update(1)
+                finished.clear()
                 now = time.perf_counter()
                 if use_tqdm and now - last[0] > 0.5:
                     stats = self.engine.stats()
@@ -154,7 +155,7 @@ class Runtime:
                     last = (now, stats)
         finally:
             bar.close()
-            for rid in pending:
+            for rid in ids:
                 self._mailboxes.pop(rid, None)
         end = self.engine.stats()
         logger.info(
@@ -174,7 +175,7 @@ class Runtime:
                         ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it, until it finishes."""
         rid = self.engine.add_request(_as_prompt(prompt, "the prompt"), sampling_params)
-        box = self._mailbox(rid, every=True)
+        box = self._mailbox([rid], every=True)
         finished = False
         try:
             while not finished:
@@ -189,10 +190,11 @@ class Runtime:
             if not finished:  # closed early by the caller
                 self.engine.abort(rid)
 
-    def _mailbox(self, rid: str, every: bool) -> list[RequestOutput]:
-        """The list that collects request ``rid``'s outputs (``every`` one, else the finished one)."""
+    def _mailbox(self, rids: list[str], every: bool) -> list[RequestOutput]:
+        """The list that collects the outputs of requests ``rids`` (``every`` one, else the finished ones)."""
         box: list[RequestOutput] = []
-        self._mailboxes[rid] = (every, box)
+        for rid in rids:
+            self._mailboxes[rid] = (every, box)
         return box
 
     def shutdown(self) -> None:
