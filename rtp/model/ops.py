@@ -72,6 +72,16 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+def rope_parameters(hf_config) -> tuple[str, dict]:  # noqa: ANN001 - a transformers PretrainedConfig
+    """The config's RoPE variant and its parameters (``rope_theta``, a scaling's ``factor`` ...), from
+    transformers 5's ``rope_parameters`` or transformers 4's ``rope_theta``/``rope_scaling``."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params.get("rope_type", params.get("type", "default")) or "default", params
+
+
 def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scale of the config's RoPE variant.
 
@@ -79,11 +89,7 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     (``rope_parameters``). Static variants only: "dynamic" and "longrope"
     change with the sequence length and are refused with a clear error.
     """
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    rope_type, params = rope_parameters(hf_config)
     if rope_type == "default":
         base = float(params["rope_theta"])
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

@@ -24,7 +24,7 @@ from rtp.model.linear import (
     divide,
 )
 from rtp.model.moe import FusedMoE
-from rtp.model.ops import RMSNorm, RotaryEmbedding, qk_norm_rope, rope_inv_freq
+from rtp.model.ops import RMSNorm, RotaryEmbedding, qk_norm_rope, rope_inv_freq, rope_parameters
 from rtp.model.quant import QuantFormat, QuantLinearMethod
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -102,8 +102,8 @@ class Qwen3Spec:
 
 def _stretched_context(cfg) -> int | None:  # noqa: ANN001 - a transformers PretrainedConfig
     """The context a static RoPE scaling of ``cfg`` covers (as vLLM derives it), or None without one."""
-    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-    kind, factor = params.get("rope_type", params.get("type")), params.get("factor")
+    kind, params = rope_parameters(cfg)
+    factor = params.get("factor")
     if kind not in ("linear", "yarn") or not factor:
         return None
     base = params.get("original_max_position_embeddings") if kind == "yarn" else None
