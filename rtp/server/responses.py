@@ -79,8 +79,9 @@ class ResponseBuilder:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
-        return sorted(entry.items(), key=lambda kv: -kv[1])[: self.num_logprobs or 0]
+    def _top(self, entry: dict[int, float], n: int | None = None) -> list[tuple[int, float]]:
+        """The ``n`` (default: the request's logprobs) likeliest entries, likeliest first."""
+        return sorted(entry.items(), key=lambda kv: -kv[1])[: (self.num_logprobs if n is None else n) or 0]
 
     def _top_dict(self, entry: dict[int, float], chosen: int) -> dict[str, float]:
         """Completions top_logprobs: text -> logprob of the top tokens and of the ``chosen`` one (sampled, or the
@@ -104,9 +105,8 @@ class ResponseBuilder:
             if entry is None:
                 out.append(None)
                 continue
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[: self.prompt_logprobs]
             d = {str(k): {"logprob": self._finite(v), "rank": r, "decoded_token": self._token(k)}
-                 for r, (k, v) in enumerate(ranked, 1)}
+                 for r, (k, v) in enumerate(self._top(entry, self.prompt_logprobs), 1)}
             if tid in entry:
                 d.setdefault(str(tid), {"logprob": self._finite(entry[tid]), "rank": None,
                                         "decoded_token": self._token(tid)})
