@@ -95,13 +95,15 @@ class Runtime:
     ) -> list[RequestOutput]:
         """Generate completions for a batch; outputs come back in prompt order."""
         batch: list  # of strings and token-id lists
-        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
-            batch = [prompts]
+        single = _token_ids(prompts)
+        if single is not None:
+            batch = [single]
+        elif isinstance(prompts, (str, dict)):
+            batch = [_as_prompt(prompts, "prompt 0")]
         elif isinstance(prompts, (list, tuple)):
-            batch = list(prompts)
+            batch = [_as_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
         else:
             raise TypeError("prompts must be a string, a list of token ids, or a list of either")
-        batch = [_as_prompt(p, f"prompt {i}") for i, p in enumerate(batch)]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(batch):
                 raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(batch)} prompts")
@@ -211,11 +213,13 @@ class Runtime:
         logger.info("shut down")
 
 
-def _is_token_ids(p: Any) -> bool:  # noqa: ANN401
-    """Whether ``p`` is one prompt's token ids: a list, tuple or array of integers (numpy's included)."""
-    if hasattr(p, "tolist") and not isinstance(p, str):  # a numpy array or a tensor
-        p = p.tolist()
-    return isinstance(p, (list, tuple)) and len(p) > 0 and isinstance(p[0], Integral) and not isinstance(p[0], bool)
+def _token_ids(p: Any) -> list | None:  # noqa: ANN401
+    """``p`` as a list when it is one prompt's token ids (a list, tuple or array of integers, numpy's included:
+    those become ints), else None."""
+    ids = p.tolist() if hasattr(p, "tolist") and not isinstance(p, str) else p  # a numpy array or a tensor
+    if not (isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], Integral) and not isinstance(ids[0], bool)):
+        return None
+    return [int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t for t in ids]
 
 
 def _as_prompt(p: Any, name: str) -> Any:  # noqa: ANN401
@@ -229,7 +233,5 @@ def _as_prompt(p: Any, name: str) -> Any:  # noqa: ANN401
             raise RequestError(f"{name}: a dict prompt holds one of 'prompt' (text) or 'prompt_token_ids', got "
                                f"the keys {sorted(p)}")
         p = p[keys[0]]
-    if _is_token_ids(p):
-        ids = p.tolist() if hasattr(p, "tolist") else p
-        return [int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t for t in ids]
-    return p
+    ids = _token_ids(p)
+    return p if ids is None else ids
