@@ -368,7 +368,10 @@ def test_data_parallel_serving_across_nodes(tmp_path, two_nodes):
     from tests.server.test_serve_e2e import read_stream, wait_streaming
 
     cfg = config(tmp_path, data_parallel_size=2, cpu_kv_cache_gib=0.25, liveness_timeout_s=LIVENESS_S)
-    run = two_nodes("--config", str(cfg), nproc=1, script="launch/serve.py", node0_args=("--port", "0"))
+    # Node 0's steps take at least 10 ms, so that its streams (1900 tokens) are still running when node 1's loss
+    # is detected (LIVENESS_S), however fast the host: each of them must end with that error, not with its text.
+    run = two_nodes("--config", str(cfg), nproc=1, script="launch/serve.py", node0_args=("--port", "0"),
+                    env={"RTP_TEST_STEP_DELAY": "0:1+:0.01"})
     run.wait_for(0, "serving on", timeout=240)
     url, frontend = re.search(r"serving on (http://\S+) \(1 API frontend process\(es\): pid (\d+)\)",
                               run.output[0]).groups()
@@ -395,6 +398,7 @@ def test_data_parallel_serving_across_nodes(tmp_path, two_nodes):
     after = replica_metric(url, "rtp_replica_routed_requests")
     routed = [after[d] - before.get(d, 0) for d in (0, 1)]
     assert min(routed) >= 2 and sum(routed) == len(prompts), routed
+    assert "rank 0 sleeps 0.010 s in step 1 and every later step" in run.output[0], run.output[0][-3000:]
 
     # Node 1 lost under load: half the streams run there, half on node 0.
     clients = 8
