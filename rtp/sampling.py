@@ -68,7 +68,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     """Token ids that end generation (the stop token is kept in token_ids, not in text)."""
     max_tokens: int | None = 16
-    """Maximum number of generated tokens; None means up to the model's context length."""
+    """Maximum number of generated tokens; None means up to the model's context length. Offline, as in vLLM, a
+    completion that reaches the context length (``max_model_len``) first ends there with "length"; the server
+    refuses such a request instead (OpenAI's 400), unless max_tokens is left out."""
     min_tokens: int = 0
     """EOS and stop tokens are suppressed until this many tokens are generated."""
     ignore_eos: bool = False

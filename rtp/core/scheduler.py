@@ -96,12 +96,6 @@ class Scheduler:
                 f"the prompt has {n} tokens but max_model_len is {cfg.max_model_len}: "
                 f"at most {cfg.max_model_len - 1} prompt tokens are allowed"
             )
-        max_tokens = seq.params.max_tokens
-        if n + (max_tokens or 1) > cfg.max_model_len:
-            raise RequestError(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + (max_tokens or 1)} exceeds "
-                f"max_model_len={cfg.max_model_len}; lower max_tokens or shorten the prompt"
-            )
         need = self.block_manager.num_blocks_for(n)
         if need > cfg.num_blocks:
             raise RequestError(

@@ -169,6 +169,19 @@ def test_bad_prompts_are_refused_at_submission(model_dir, prompt, words):
     assert not engine.has_unfinished()
 
 
+def test_a_completion_past_the_context_ends_with_length_there(model_dir):
+    """As in vLLM's offline engine: prompt + max_tokens past max_model_len (256) is not refused, the completion
+    stops at the context with "length"; a request that fits in the same batch is unaffected."""
+    engine = make_engine(model_dir, {7: [20, 21, 22, 23], 8: [30, 31]})
+    long = engine.add_request([7] * 250, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    none = engine.add_request([7] * 253, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    short = engine.add_request([8], SamplingParams(temperature=0, max_tokens=2))
+    done = run(engine)
+    assert done[long].finish_reason == "length" and done[long].token_ids == [20, 21, 22, 23, 23, 23]
+    assert done[none].finish_reason == "length" and len(done[none].token_ids) == 3
+    assert done[short].token_ids == [30, 31] and done[short].finish_reason == "length"
+
+
 def test_sampling_takes_the_full_path_only_while_a_request_needs_it(model_dir):
     """Plain greedy batches ask the runner for the argmax (the TP ranks pick the tokens, no logits reach the
     sampler); a request with logprobs or min_tokens sends the whole batch through sample() while it lives,
