@@ -10,6 +10,7 @@ finished.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 
@@ -24,10 +25,15 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     new_text: str = ""  # text added by the last step that changed this request
     new_token_ids: list[int] = field(default_factory=list)
+    stop_reason: int | str | None = None  # see stop_reason()
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return cumulative_logprob(self.token_ids, self.logprobs)
 
 
 @dataclass
@@ -53,10 +59,18 @@ class RequestOutput:
     ``{token_id: logprob}`` holding the prompt token and the top-N (computed from the raw logits)."""
     samples: list[CompletionOutput] | None = None
     """Every sample when n > 1 (samples[0] mirrors the flat fields); None when n == 1."""
+    stop_reason: int | str | None = None
+    """What ended a "stop": the stop string that matched, or the stop token id; None otherwise (an EOS, a
+    completed grammar, another finish reason). As vLLM's CompletionOutput.stop_reason."""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the generated tokens' logprobs (with SamplingParams.logprobs; else None)."""
+        return cumulative_logprob(self.token_ids, self.logprobs)
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -64,12 +78,28 @@ class RequestOutput:
         if self.samples is not None:
             return self.samples
         return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason,
-                                 self.new_text, self.new_token_ids)]
+                                 self.new_text, self.new_token_ids, self.stop_reason)]
 
     @property
     def num_completion_tokens(self) -> int:
         """Generated tokens summed over the samples (OpenAI's usage.completion_tokens)."""
         return sum(len(c.token_ids) for c in self.outputs)
+
+
+def cumulative_logprob(token_ids: list[int], logprobs: list[dict[int, float]] | None) -> float | None:
+    """The sum of each token's logprob (its entry names it), None without logprobs."""
+    return None if logprobs is None else sum(entry[t] for t, entry in zip(token_ids, logprobs))
+
+
+def stop_reason(stop_string: str | None, token_ids: list[int], stop_token_ids: Collection[int] | None
+                ) -> int | str | None:
+    """The stop_reason of a sample that ended with "stop": the stop string that matched, else the last token
+    where it is one of ``stop_token_ids``, else None."""
+    if stop_string is not None:
+        return stop_string
+    if token_ids and stop_token_ids and token_ids[-1] in stop_token_ids:
+        return token_ids[-1]
+    return None
 
 
 def _copy_sample(c: CompletionOutput) -> CompletionOutput:

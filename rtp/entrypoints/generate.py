@@ -128,7 +128,9 @@ def _output_line(o: RequestOutput) -> dict:
     """One JSONL line: sample 0 in the flat fields, every sample under "outputs" when n > 1."""
     def sample(c: RequestOutput | CompletionOutput) -> dict:
         return {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
-                **({"logprobs": c.logprobs} if c.logprobs is not None else {})}
+                "stop_reason": c.stop_reason,
+                **({"logprobs": c.logprobs, "cumulative_logprob": c.cumulative_logprob} if c.logprobs is not None
+                   else {})}
 
     line = sample(o)
     if o.samples is not None:

@@ -163,7 +163,8 @@ class IncrementalDetokenizer:
         self._stop_floor = 0  # matches must start at or after this index of _text
         self._text = ""  # decoded output (cut before a stop string once one matched)
         self._emitted = 0  # characters of _text already returned to the caller
-        self._stopped = False
+        self.stop_string: str | None = None
+        """The stop string that matched, once one did."""
 
     @property
     def text(self) -> str:
@@ -173,11 +174,11 @@ class IncrementalDetokenizer:
     @property
     def stopped(self) -> bool:
         """True once a stop string matched."""
-        return self._stopped
+        return self.stop_string is not None
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Add one generated token; returns (text safe to emit now, stopped by a stop string)."""
-        if self._stopped:
+        if self.stop_string is not None:
             return "", True
         self._num_added += 1
         new_text = None
@@ -209,11 +210,11 @@ class IncrementalDetokenizer:
         U+FFFD), as a one-shot decode of all tokens would.
         """
         out = ""
-        if not self._stopped and self._read_offset < len(self._ids):
+        if self.stop_string is None and self._read_offset < len(self._ids):
             new_text = self._decode_new(final=True)
             if new_text:
                 out, _ = self._append(new_text)
-        if not self._stopped:
+        if self.stop_string is None:
             out += self._text[self._emitted :]
             self._emitted = len(self._text)
         return out
@@ -261,18 +262,18 @@ class IncrementalDetokenizer:
             self._emitted = len(text)
             return text[emitted:], False
 
-        match, end = -1, -1
+        match, end, matched = -1, -1, None
         for stop in self._stop_strings:
             pos = text.find(stop, search_from)
             if pos >= 0 and (match < 0 or pos < match):
-                match, end = pos, pos + len(stop)
+                match, end, matched = pos, pos + len(stop), stop
         if match >= 0:
+            self.stop_string = matched
             # Held-back text covers every partial stop string, so nothing
             # emitted so far can belong to this match.
             assert match >= emitted, (match, emitted)
             cut = end if self._keep_stop else match  # (text after the stop string is dropped either way)
             self._text = text[:cut]
-            self._stopped = True
             self._emitted = cut
             return text[emitted:cut], True
 

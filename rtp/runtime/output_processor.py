@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from rtp.core.sequence import Sequence, SequenceStatus
-from rtp.outputs import CompletionOutput, RequestOutput
+from rtp.outputs import CompletionOutput, RequestOutput, stop_reason
 from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
 from rtp.runtime.logprobs import top_logprobs
 from rtp.runtime.model_runner import PromptLogits
@@ -222,6 +222,9 @@ class OutputProcessor:
             if detok is not None:
                 delta += detok.flush()
             out.finish_reason = seq.finish_reason
+            if seq.finish_reason == "stop":
+                matched = detok.stop_string if detok is not None else None
+                out.stop_reason = stop_reason(matched, out.token_ids, seq.stop_token_set)
             req.num_unfinished -= 1
         if detok is not None:
             out.new_text, out.text = delta, detok.text
@@ -229,7 +232,7 @@ class OutputProcessor:
             request_out.text, request_out.new_text, request_out.new_token_ids = out.text, delta, tokens
         if finished and req.num_unfinished == 0:
             first = req.samples[0]
-            request_out.finish_reason = first.out.finish_reason
+            request_out.finish_reason, request_out.stop_reason = first.out.finish_reason, first.out.stop_reason
             request_out.num_cached_tokens = first.seq.num_cached_tokens
             self.finish(req)  # already in changed
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from rtp.outputs import CompletionOutput, RequestOutput, snapshot
+from rtp.outputs import CompletionOutput, RequestOutput, snapshot, stop_reason
 from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
 from rtp.sampling import SamplingParams
 from rtp.server.frontend_wire import SampleUpdate
@@ -46,6 +46,7 @@ class FrontendRequest:
         self.samples = [_Sample(comps[i] if self.multi else self.output,
                                 IncrementalDetokenizer(decoder, prompt_token_ids, params)) for i in range(params.n)]
         self.num_unfinished = params.n
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())
         self.stopped_here = False
         """A stop string ended a sample here: the engine does not know, the request must be aborted there."""
 
@@ -87,6 +88,8 @@ class FrontendRequest:
             if not detok.stopped:
                 delta += detok.flush()
             out.finish_reason = reason
+            if reason == "stop":
+                out.stop_reason = stop_reason(detok.stop_string, out.token_ids, self.stop_token_ids)
             smp.done = True
             self.num_unfinished -= 1
         out.new_text, out.text = delta, detok.text
@@ -95,6 +98,7 @@ class FrontendRequest:
             request_out.new_token_ids = out.new_token_ids
         if self.num_unfinished == 0:
             request_out.finish_reason = self.samples[0].out.finish_reason
+            request_out.stop_reason = self.samples[0].out.stop_reason
             request_out.num_cached_tokens = upd.num_cached_tokens
             request_out.finish_time = now
 

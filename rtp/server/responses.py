@@ -198,7 +198,7 @@ class ResponseBuilder:
         else:
             choice["text"] = out.text
         choice["logprobs"] = self._logprobs(out, 0)
-        choice["finish_reason"] = finish_reason
+        choice["finish_reason"], choice["stop_reason"] = finish_reason, out.stop_reason
         self._with_prompt(choice, request)
         return choice
 
@@ -235,6 +235,7 @@ class ResponseBuilder:
             choice["text"] = out.new_text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason if out.finished else None
+        choice["stop_reason"] = out.stop_reason
         self._with_prompt(choice, request)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 

@@ -94,6 +94,10 @@ FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 # ---- completions ----
 
 
+STOP_REASON = ("with finish_reason \"stop\": the stop string or stop token id that ended the choice; null for an "
+               "EOS token (and until the last chunk of a stream)")
+
+
 class PromptLogprob(_Doc):
     logprob: float
     rank: int | None = Field(description="1 for the likeliest token; null for a prompt token outside the top ones")
@@ -105,6 +109,7 @@ class CompletionChoice(_Doc):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None = Field(description="null in every stream chunk but the last")
+    stop_reason: int | str | None = Field(default=None, description=STOP_REASON)
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
         default=None, description="with the prompt_logprobs parameter (in a stream, in the choice's first chunk): "
                                   "per prompt token null for the first, else token id -> its logprob")
@@ -148,6 +153,7 @@ class ChatChoice(_Doc):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = Field(default=None, description=STOP_REASON)
 
 
 class ChatCompletionResponse(_Doc):
@@ -187,6 +193,7 @@ class ChatChunkChoice(_Doc):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = Field(default=None, description=STOP_REASON)
 
 
 class ChatCompletionChunk(_Doc):

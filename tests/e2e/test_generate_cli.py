@@ -63,6 +63,9 @@ def test_every_sample_and_the_prompt_logprobs_reach_the_output_file(tmp_path):
     lps = first["prompt_logprobs"]
     assert lps[0] is None and len(lps) > 1 and all(isinstance(d, dict) and d for d in lps[1:])
     assert "outputs" not in second and "prompt_logprobs" not in second
+    for s in samples:  # JSON keys are strings
+        assert s["cumulative_logprob"] == pytest.approx(sum(e[str(t)] for t, e in zip(s["token_ids"], s["logprobs"])))
+    assert second["stop_reason"] is None and "cumulative_logprob" not in second
 
 
 @pytest.mark.timeout(300)

@@ -87,7 +87,7 @@ def test_eos_ends_with_stop_and_is_kept_in_ids_not_text(model_dir):
     engine.runner.script = {7: hello + [eos, 1, 2]}
     rid = engine.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=20))
     out = run(engine)[rid]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason is None
     assert out.token_ids == hello + [eos]
     assert out.text == "hello world"
 
@@ -107,7 +107,7 @@ def test_stop_string_on_the_last_allowed_token_is_a_stop(model_dir):
     engine.runner.script = {7: ids}
     rid = engine.add_request([7], SamplingParams(temperature=0, max_tokens=len(ids), stop=["three"]))
     out = run(engine)[rid]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == "three"
     assert out.text == "one two "
 
 
@@ -122,6 +122,24 @@ def test_stop_strings_wait_for_min_tokens(model_dir):
     assert out.text.startswith("stop and go and ") and "stop" not in out.text[4:]
 
 
+def test_stop_reason_names_the_stop_string_or_token(model_dir):
+    """vLLM's stop_reason: the stop string that matched (the earliest of several), the stop token id, else None;
+    for every sample of an n > 1 request, the request's flat field being sample 0's."""
+    engine = make_engine(model_dir, {})
+    ids = engine.tokenizer.encode("red green blue", add_special_tokens=False)
+    engine.runner.script = {7: ids + [1, 2], 8: [40, 41, 42, 43]}
+    strings = engine.add_request([7], SamplingParams(temperature=0, max_tokens=20, stop=["blue", "green"]))
+    token = engine.add_request([8], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[50, 42]))
+    length = engine.add_request([8], SamplingParams(temperature=0, max_tokens=2, stop_token_ids=[42]))
+    multi = engine.add_request([8], SamplingParams(temperature=0, n=2, max_tokens=20, stop_token_ids=[43]))
+    done = run(engine)
+    assert (done[strings].finish_reason, done[strings].stop_reason) == ("stop", "green")
+    assert (done[token].finish_reason, done[token].stop_reason) == ("stop", 42)
+    assert done[token].outputs[0].stop_reason == 42
+    assert (done[length].finish_reason, done[length].stop_reason) == ("length", None)
+    assert [c.stop_reason for c in done[multi].outputs] == [43, 43] and done[multi].stop_reason == 43
+
+
 def test_logprobs_align_with_tokens(model_dir):
     engine = make_engine(model_dir, {7: [5, 6, 7, 8]})
     rid = engine.add_request([7, 1], SamplingParams(temperature=0, max_tokens=4, logprobs=2))
@@ -130,6 +148,10 @@ def test_logprobs_align_with_tokens(model_dir):
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and len(entry) == 2
         assert entry[token] == max(entry.values())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob < 0 and out.outputs[0].cumulative_logprob == out.cumulative_logprob
+    rid = engine.add_request([7, 1], SamplingParams(temperature=0, max_tokens=2))
+    assert run(engine)[rid].cumulative_logprob is None  # as vLLM: only with logprobs
 
 
 def test_abort_before_and_after_the_first_step_frees_everything(model_dir):

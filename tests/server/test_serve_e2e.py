@@ -278,8 +278,8 @@ def test_the_log_says_what_the_engine_did(servers, name):
 
 
 def read_stream(url: str, body: dict, result: dict, headers: dict | None = None) -> None:
-    """Stream a completion into result: text, finish reason, error event, [DONE] seen."""
-    result.update(text="", finish=None, error=None, done=False)
+    """Stream a completion into result: text, finish and stop reason, error event, [DONE] seen."""
+    result.update(text="", finish=None, stop_reason=None, error=None, done=False)
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers or {}, timeout=60) as r:
             if r.status_code != 200:  # refused before its stream began (a 503 once the engine is lost)
@@ -299,6 +299,7 @@ def read_stream(url: str, body: dict, result: dict, headers: dict | None = None)
                 result["started"] = True
                 result["text"] += event["choices"][0]["text"]
                 result["finish"] = event["choices"][0]["finish_reason"] or result["finish"]
+                result["stop_reason"] = event["choices"][0].get("stop_reason", result["stop_reason"])
     except httpx.HTTPError as e:
         result["error"] = repr(e)
 

@@ -123,8 +123,16 @@ def test_a_stop_string_ends_the_request_in_the_engine(server, reference):
                           "stop": [stop]})
     choice = r.json()["choices"][0]
     assert choice["text"] == text[: text.index(stop)] and choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] == stop
     # The engine aborted it at once instead of running on to 1000 tokens.
     assert wait_for_metric(server.url, "rtp_requests_running", 0, AUTH) == 0
+    # A stop token ends it in the engine: stop_reason is its id, in the stream's last chunk too.
+    body = {"prompt": prompt, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stop_token_ids": [ids[3]]}
+    choice = post(server.url, body).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", ids[3])
+    streamed: dict = {}
+    read_stream_keyed(server.url, {**body, "stream": True}, streamed)
+    assert (streamed["finish"], streamed["stop_reason"], streamed["text"]) == ("stop", ids[3], choice["text"])
 
 
 def test_a_grammar_reaches_the_engine(server):
