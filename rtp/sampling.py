@@ -96,6 +96,8 @@ class SamplingParams:
     """Return, for every prompt token but the first, its log-probability given the previous
     tokens plus the top-N; the first entry is None (vLLM semantics). Such a request does not use
     the prefix cache (every prompt position must be computed)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k tokens of the prompt (vLLM's name); the output's prompt_token_ids are those kept."""
     constraint: Callable[[], TokenConstraint] | None = field(default=None, repr=False, compare=False)
     """Factory of a fresh :class:`TokenConstraint`, called once per output sequence (see the protocol)."""
     stop_strings: list[str] = field(init=False, repr=False)
@@ -129,6 +131,9 @@ class SamplingParams:
             raise bad("min_tokens", "expected a non-negative integer")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise bad("truncate_prompt_tokens", "expected a positive integer or None")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "expected true or false")
         if not isinstance(self.include_stop_str_in_output, bool):

@@ -19,8 +19,9 @@ class InputProcessor:
     def __init__(self, info: ModelInfo) -> None:
         self.info = info
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt given as text or ids, validated."""
+    def tokenize(self, prompt: str | list[int], truncate: int | None = None) -> list[int]:
+        """Token ids of a prompt given as text or ids, validated; only the last ``truncate`` of them if given
+        (SamplingParams.truncate_prompt_tokens)."""
         if isinstance(prompt, str):
             ids = self.info.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -33,7 +34,7 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is out of range: the vocabulary has {vocab} ids")
-        return ids
+        return ids[-truncate:] if truncate is not None else ids
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse token ids in ``params`` (logit_bias, allowed_token_ids) that the vocabulary does not have."""

@@ -185,6 +185,8 @@ class ServerContext:
         """Tokenize (off the loop), build SamplingParams and queue the request."""
         try:
             ids = await self.off_loop(self.engine.tokenize, prompt)
+            if req.truncate_prompt_tokens is not None:  # before max_tokens is fitted to the context
+                ids = ids[-req.truncate_prompt_tokens:]
             req_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             max_tokens = resolve_max_tokens(req.requested_max_tokens(), self.server, len(ids), self.max_model_len,
                                             req_param, prompt_param, self.info.sampling_defaults.get("max_tokens"))

@@ -84,7 +84,7 @@ async def batch_completions(api: ServerContext, request: Request, req: Completio
             counts.append(len(ids))
             build = _PromptBuilder("text_completion", rid, api.model_name, api.tokenizer, len(ids), req.logprobs,
                                    base=i * n)
-            build.prompt_logprobs = req.prompt_logprobs
+            build.prompt_logprobs, build.continuous_usage = req.prompt_logprobs, req.continuous_usage
             if req.echo:
                 build.echo = prompt if isinstance(prompt, str) else await api.off_loop(api.tokenizer.decode, prompt)
             builders.append(build)

@@ -11,7 +11,8 @@ fields admit only the supported value (``best_of`` at most 1, ``suffix`` empty
 ...), so the published schema says so too, and :func:`unsupported_hint`
 turns such an error into a message that says what rtp supports.
 rtp extras (vLLM names): top_k, min_p, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-skip_special_tokens, repetition_penalty, allowed_token_ids, prompt_logprobs (completions);
+skip_special_tokens, repetition_penalty, allowed_token_ids, truncate_prompt_tokens, prompt_logprobs (completions),
+echo (chat: the assistant's last message), ``stream_options.continuous_usage_stats``;
 structured outputs as ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` or the ``structured_outputs`` object (and OpenAI's ``response_format`` in chat);
 ``chat_template_kwargs``.
@@ -83,6 +84,8 @@ class StreamOptions(_Strict):
     """Options of a streamed response."""
 
     include_usage: bool = Field(default=False, description="send a last chunk with the usage and no choices")
+    continuous_usage_stats: bool = Field(default=False, description="with include_usage: every chunk also carries "
+                                                                     "the usage so far (vLLM's option)")
 
 
 def _api_spec(make: Any, value: Any, field: str) -> GrammarSpec:  # noqa: ANN401
@@ -117,6 +120,7 @@ class CommonRequest(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[NonEmptyText] | None = None  # "" means no stop string, as in SamplingParams
     include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, description="keep only the prompt's last k tokens")
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -195,7 +199,7 @@ class CommonRequest(_Strict):
         for name in ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "min_tokens", "ignore_eos",
                      "stop_token_ids", "skip_special_tokens", "n", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
-                     "include_stop_str_in_output"):
+                     "include_stop_str_in_output", "truncate_prompt_tokens"):
             value = getattr(self, name, None)
             if value is not None:
                 kwargs[name] = value
@@ -217,6 +221,11 @@ class CommonRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (``stream_options.continuous_usage_stats`` with include_usage)."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(CommonRequest):
@@ -364,6 +373,8 @@ class ChatCompletionRequest(CommonRequest):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description='extra chat template variables, e.g. {"enable_thinking": false}')
+    echo: bool = Field(default=False, description="when the last message is the assistant's, the reply's content "
+                                                  "starts with it (with continue_final_message: the whole turn)")
     add_generation_prompt: bool = Field(default=True, description="open the assistant's turn after the messages")
     continue_final_message: bool = Field(
         default=False, description="continue the last message, an assistant's, instead of closing it (with "

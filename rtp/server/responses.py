@@ -47,7 +47,9 @@ class ResponseBuilder:
         self.created = int(time.time())
         self._text_offset = 0  # completions logprobs: characters of the tokens already reported
         self.index = 0  # the choice index this builder writes
-        self.echo: str | None = None  # completions: the prompt text to echo before the completion
+        # Completions: the prompt text to echo before the completion; chat: the assistant's last message.
+        self.echo: str | None = None
+        self.continuous_usage = False  # every stream chunk carries the usage so far
         self._echo_sent = False
         self.prompt_logprobs: int | None = None  # completions: how many top tokens prompt_logprobs name
         self._prompt_logprobs_sent = False
@@ -197,18 +199,25 @@ class ResponseBuilder:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
+        if self.chat and self.echo:
+            choice["message"]["content"] = self.echo + (choice["message"]["content"] or "")
         choice["logprobs"] = self._logprobs(out, 0)
         choice["finish_reason"], choice["stop_reason"] = finish_reason, out.stop_reason
         self._with_prompt(choice, request)
         return choice
 
     def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant role; completions have no opening chunk."""
+        """Chat streams open with the assistant role (and the echoed message); completions have no opening
+        chunk."""
         if not self.chat:
             return None
-        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": self.echo or ""}, "logprobs": None,
                   "finish_reason": None}
-        return self._envelope("chat.completion.chunk", [choice])
+        body = self._envelope("chat.completion.chunk", [choice])
+        if self.continuous_usage:
+            body["usage"] = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": 0,
+                             "total_tokens": self.num_prompt_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+        return body
 
     def chunk(self, out: RequestOutput | CompletionOutput, start: int,
               request: RequestOutput | None = None) -> dict[str, Any] | None:
@@ -237,7 +246,10 @@ class ResponseBuilder:
         choice["finish_reason"] = finish_reason if out.finished else None
         choice["stop_reason"] = out.stop_reason
         self._with_prompt(choice, request)
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        if self.continuous_usage:
+            body["usage"] = self.usage(request)
+        return body
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
         """The last chunk of a stream with ``stream_options.include_usage``."""

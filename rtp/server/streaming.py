@@ -61,6 +61,7 @@ async def respond(metrics: ServerMetrics, request: Request, req: CommonRequest, 
                   build: ResponseBuilder) -> Response:
     """The response to a submitted request: an event stream if it asked for one, else the final JSON body."""
     if req.stream:
+        build.continuous_usage = req.continuous_usage
         return ClosingEventStream(stream_events(metrics, stream, len(ids), build, req.include_usage), [stream])
     try:
         out = await collect(metrics, request, stream, len(ids))

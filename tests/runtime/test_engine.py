@@ -122,6 +122,16 @@ def test_stop_strings_wait_for_min_tokens(model_dir):
     assert out.text.startswith("stop and go and ") and "stop" not in out.text[4:]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(model_dir):
+    engine = make_engine(model_dir, {5: [20, 21]})
+    params = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=3)
+    rid = engine.add_request([9] * 300 + [5, 6, 7], params)
+    out = run(engine)[rid]  # 303 tokens would not fit max_model_len = 256
+    assert out.prompt_token_ids == [5, 6, 7] and out.token_ids == [20, 21]
+    with pytest.raises(RequestError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_stop_reason_names_the_stop_string_or_token(model_dir):
     """vLLM's stop_reason: the stop string that matched (the earliest of several), the stop token id, else None;
     for every sample of an n > 1 request, the request's flat field being sample 0's."""

@@ -272,6 +272,21 @@ def test_chat_template_switches_and_vllm_sampling_fields_reach_the_engine(served
     assert params.include_stop_str_in_output and params.stop_strings == ["x"] and params.seed == -5
 
 
+def test_truncate_prompt_tokens_keeps_the_end_before_max_tokens_is_fitted(served):
+    client, engine, _ = served
+    prompt = list(range(1, 2 * MAX_MODEL_LEN))  # longer than the context
+    r = client.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 8})
+    assert r.status_code == 200, r.text
+    ids, params, _ = engine.added[-1]
+    assert ids == prompt[-8:] and params.truncate_prompt_tokens == 8 and params.max_tokens == 12
+    assert r.json()["usage"]["prompt_tokens"] == 8
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a b c d e f"}],
+                                                  "truncate_prompt_tokens": 2, "max_tokens": 1})
+    assert r.status_code == 200 and len(engine.added[-1][0]) == 2
+    r = client.post("/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_completion_logprobs_shape(served):
     client, _, _ = served
     r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4, "logprobs": 1})
@@ -337,6 +352,41 @@ def test_completion_stream_format_and_usage(served, tokenizer):
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text(tokenizer, 7)
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served, tokenizer):
+    client, engine, _ = served
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (("/v1/completions", {"prompt": "Hello"}),
+                       ("/v1/completions", {"prompt": ["Hello", "Hi there"]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = client.post(path, json={**body, "max_tokens": 5, "stream": True, "stream_options": options})
+        *chunks, final = sse_events(r.text)[:-1]
+        assert final["choices"] == [] and chunks and all("usage" in c for c in chunks)
+        count = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+        assert {c["usage"]["prompt_tokens"] for c in chunks} == {len(ids) for ids, _, _ in engine.added[-count:]}
+        usages = [c["usage"] for c in chunks]
+        assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+        done = [c["usage"]["completion_tokens"] for c in chunks]
+        if path.endswith("chat/completions"):
+            assert done[0] == 0 and done == sorted(done)  # the role chunk, then the tokens so far
+        assert max(done) == 5 and final["usage"]["completion_tokens"] == 5 * count
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "stream": True,
+                                             "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c for c in sse_events(r.text)[:-1])  # only with include_usage, as in vLLM
+
+
+def test_chat_echo_prepends_the_assistants_last_message(served, tokenizer):
+    client, _, _ = served
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}]
+    body = {"messages": turns, "max_tokens": 4, "add_generation_prompt": False, "continue_final_message": True}
+    plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    echoed = client.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]
+    assert plain == expected_text(tokenizer, 4) and echoed["content"] == "Well," + plain
+    chunks = sse_events(client.post("/v1/chat/completions", json={**body, "echo": True, "stream": True}).text)[:-1]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Well," + plain
+    user_last = {"messages": turns[:1], "max_tokens": 4, "echo": True}  # only the reply's own role is echoed
+    assert client.post("/v1/chat/completions", json=user_last).json()["choices"][0]["message"]["content"] == plain
 
 
 def test_chat_stream_format_without_usage(served, tokenizer):

@@ -48,7 +48,7 @@ def test_a_request_round_trips_with_every_sampling_field():
                             stop_token_ids=[3], max_tokens=40, min_tokens=2, ignore_eos=True, logprobs=2,
                             skip_special_tokens=False, presence_penalty=0.5, frequency_penalty=-0.5,
                             repetition_penalty=1.1, logit_bias={5: 3.0, 9: -100.0}, allowed_token_ids=[1, 5, 9],
-                            bad_words=["foo"], prompt_logprobs=1)
+                            bad_words=["foo"], prompt_logprobs=1, truncate_prompt_tokens=5)
     req = EngineRequest(12, "cmpl-abc", [5, 0, 2**31 - 1], params, GrammarSpec("regex", "[ab]+", "regex"))
     [(kind, payload)] = FrameReader().feed(req.encode())
     assert kind == Kind.ADD
