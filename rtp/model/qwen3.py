@@ -30,6 +30,14 @@ from rtp.model.quant import QuantFormat, QuantLinearMethod
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
+def check_architecture(cfg, causal_lm: str) -> None:  # noqa: ANN001 - a transformers PretrainedConfig
+    """Refuse a checkpoint whose ``architectures`` name another head than ``causal_lm`` (a sequence classifier
+    of the same model_type has no LM head to serve); a config without the field is taken as it is."""
+    names = list(getattr(cfg, "architectures", None) or [])
+    if names and causal_lm not in names:
+        raise ModelShapeError(f"architectures={names} is not supported: rtp serves the causal LM ({causal_lm!r})")
+
+
 @dataclass(frozen=True)
 class Qwen3Spec:
     """The shape of a Qwen3 checkpoint, read from its HF config."""
@@ -56,6 +64,7 @@ class Qwen3Spec:
             raise ModelShapeError(
                 f"model_type={model_type!r} is not supported; rtp serves model_type 'qwen3' and 'qwen3_moe'"
             )
+        check_architecture(cfg, "Qwen3ForCausalLM")
         return cls(**cls.common_fields(cfg))
 
     @staticmethod

@@ -22,7 +22,7 @@ from rtp.errors import ModelShapeError
 from rtp.model.linear import divide
 from rtp.model.moe import SparseMoeBlock
 from rtp.model.quant import QuantFormat
-from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP, Qwen3Spec
+from rtp.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP, Qwen3Spec, check_architecture
 
 # model.layers.L.mlp.experts.E.{gate,up,down}_proj.{weight, or a quantized format's weight_scale_inv, qweight, ...}
 _EXPERT = re.compile(
@@ -45,6 +45,7 @@ class Qwen3MoeSpec(Qwen3Spec):
         model_type = getattr(cfg, "model_type", None)
         if model_type != "qwen3_moe":
             raise ModelShapeError(f"model_type={model_type!r} is not Qwen3-MoE (expected 'qwen3_moe')")
+        check_architecture(cfg, "Qwen3MoeForCausalLM")
         # Published checkpoints say num_experts; current transformers stores num_local_experts.
         num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
         if not num_experts:

@@ -94,3 +94,19 @@ def test_other_architectures_are_refused(tiny, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelShapeError, match="qwen3"):
         load_model(path, ParallelState.single(), torch.float32)
+
+
+@pytest.mark.parametrize("names, refused", [(["Qwen3ForSequenceClassification"], True),
+                                            (["Qwen3ForCausalLM"], False), (None, False)])
+def test_an_architecture_other_than_the_causal_lm_is_refused(tiny, tmp_path, names, refused):
+    path = rewrite_checkpoint(tiny, tmp_path / "m", lambda t: None)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("architectures", None)
+    if names is not None:
+        cfg["architectures"] = names
+    (path / "config.json").write_text(json.dumps(cfg))
+    if refused:
+        with pytest.raises(ModelShapeError, match="Qwen3ForSequenceClassification.*causal LM"):
+            load_model(path, ParallelState.single(), torch.float32)
+    else:
+        load_model(path, ParallelState.single(), torch.float32)
