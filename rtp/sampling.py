@@ -79,6 +79,8 @@ class SamplingParams:
     """Return the log-probabilities of the top-N tokens at every generated position."""
     skip_special_tokens: bool = True
     """Drop special tokens when detokenizing."""
+    detokenize: bool = True
+    """Produce text; False: token ids only (``text`` stays empty; no stop strings), as vLLM's flag."""
     presence_penalty: float = 0.0
     """Subtracted from the logit of every token that occurs in the output so far (vLLM: [-2, 2])."""
     frequency_penalty: float = 0.0
@@ -136,6 +138,8 @@ class SamplingParams:
             raise bad("truncate_prompt_tokens", "expected a positive integer or None")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "expected true or false")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", "expected true or false")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad("include_stop_str_in_output", "expected true or false")
         if not isinstance(self.skip_special_tokens, bool):
@@ -181,6 +185,8 @@ class SamplingParams:
             self.stop_strings = list(self.stop)
         else:
             raise bad("stop", "expected a non-empty string or a list of non-empty strings")
+        if not self.detokenize and self.stop_strings:
+            raise bad("detokenize", "stop strings need the text: give stop_token_ids, or detokenize=True")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif not isinstance(self.stop_token_ids, list) or not all(

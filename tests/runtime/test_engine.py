@@ -132,6 +132,20 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(model_dir):
         SamplingParams(truncate_prompt_tokens=0)
 
 
+def test_detokenize_false_gives_token_ids_only(model_dir):
+    engine = make_engine(model_dir, {})
+    ids = engine.tokenizer.encode("plain words here", add_special_tokens=False)
+    engine.runner.script = {7: ids}
+    on = engine.add_request([7], SamplingParams(temperature=0, max_tokens=len(ids)))
+    off = engine.add_request([7], SamplingParams(temperature=0, max_tokens=len(ids), detokenize=False,
+                                                 stop_token_ids=[ids[-1]]))
+    done = run(engine)
+    assert done[on].text == "plain words here" and done[on].token_ids == ids
+    assert done[off].text == "" and done[off].token_ids == ids and done[off].stop_reason == ids[-1]
+    with pytest.raises(RequestError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])
+
+
 def test_stop_reason_names_the_stop_string_or_token(model_dir):
     """vLLM's stop_reason: the stop string that matched (the earliest of several), the stop token id, else None;
     for every sample of an n > 1 request, the request's flat field being sample 0's."""
