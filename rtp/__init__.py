@@ -18,11 +18,11 @@ from pathlib import Path
 
 from rtp.config import RtpConfig, default_config_path, load_config, replace_settings
 from rtp.errors import ConfigError, RtpError
-from rtp.outputs import RequestOutput
+from rtp.outputs import CompletionOutput, Logprob, RequestOutput
 from rtp.sampling import SamplingParams
 
 __all__ = ["init", "generate", "generate_stream", "default_sampling_params", "shutdown", "SamplingParams",
-           "RequestOutput", "RtpError"]
+           "RequestOutput", "CompletionOutput", "Logprob", "RtpError"]
 
 _current = None  # the Runtime returned by init(), until shutdown()
 

@@ -12,6 +12,31 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
+
+
+class Logprob(float):
+    """A logprob as vLLM's outputs carry it (``.logprob``, ``.rank``, ``.decoded_token``) that is also the float
+    itself, so that code written for either shape works: ``entry[t].logprob`` and ``entry[t] + 1.0`` alike."""
+
+    __slots__ = ("rank", "decoded_token")
+    rank: int | None  # 1 for the likeliest token
+    decoded_token: str | None  # the token's own text (special tokens kept); None where the engine makes no text
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
 
 @dataclass

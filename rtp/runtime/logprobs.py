@@ -8,18 +8,34 @@ temperature, penalty or mask.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
+
+from rtp.outputs import Logprob
+
+
+def name_tokens(entries: Iterable[dict[int, float] | None], decode_one: Any) -> None:  # noqa: ANN401
+    """Fill each entry's ``decoded_token`` with ``decode_one(token_id, False)`` (special tokens kept, as vLLM)."""
+    for entry in entries:
+        for token, lp in (entry or {}).items():
+            if isinstance(lp, Logprob) and lp.decoded_token is None:
+                lp.decoded_token = decode_one(token, False)
 
 
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[dict[int, float]]:
-    """Per row ``i``: ``{token_id: logprob}`` of its ``num_top[i]`` most likely tokens and of ``chosen[i]``.
+    """Per row ``i``: ``{token_id: Logprob}`` of its ``num_top[i]`` most likely tokens and of ``chosen[i]``.
 
     ``logits`` is float ``[R, vocab]``, ``chosen`` int64 ``[R]`` on the same device. A token that is
     both among the top ones and the chosen one appears once; ``num_top[i]`` may be 0 (the chosen
-    token only) or exceed the vocabulary (every token).
+    token only) or exceed the vocabulary (every token). Ranks count from 1 (the likeliest token); the
+    chosen token's is one more than the number of tokens more likely than it.
     """
     logprobs = torch.log_softmax(logits, dim=-1)  # [R, vocab]
-    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].tolist()  # [R]
+    chosen_t = logprobs.gather(1, chosen[:, None])  # [R, 1]
+    chosen_rank = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
+    chosen_lp = chosen_t[:, 0].tolist()
     chosen_ids = chosen.tolist()
     max_n = min(max(num_top, default=0), logprobs.shape[1])
     top_lp: list[list[float]] = [[] for _ in chosen_ids]
@@ -29,7 +45,8 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: list[int])
         top_lp, top_ids = top.values.tolist(), top.indices.tolist()
     out: list[dict[int, float]] = []
     for j, n in enumerate(num_top):
-        entry = dict(zip(top_ids[j][:n], top_lp[j][:n]))
-        entry[chosen_ids[j]] = chosen_lp[j]
+        top_j = zip(top_ids[j][:n], top_lp[j][:n])
+        entry: dict[int, float] = {t: Logprob(lp, r + 1) for r, (t, lp) in enumerate(top_j)}
+        entry[chosen_ids[j]] = Logprob(chosen_lp[j], chosen_rank[j])
         out.append(entry)
     return out

@@ -25,7 +25,7 @@ import torch
 from rtp.core.sequence import Sequence, SequenceStatus
 from rtp.outputs import CompletionOutput, RequestOutput, stop_reason
 from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
-from rtp.runtime.logprobs import top_logprobs
+from rtp.runtime.logprobs import name_tokens, top_logprobs
 from rtp.runtime.model_runner import PromptLogits
 from rtp.runtime.sampler import PenaltyState, SampleRow, is_plain_greedy
 from rtp.sampling import TokenConstraint
@@ -71,6 +71,8 @@ class RequestState:
     """The sampler needs this request's SampleRows (not plain greedy, or n > 1)."""
     last_step: int = -1
     """The output step that last changed the request (n > 1: its samples' deltas are reset once per step)."""
+    decoder: TokenDecoder | None = None
+    """The engine's decoder where it makes text: names the logprobs' tokens (Logprob.decoded_token)."""
 
     @property
     def request_id(self) -> str:
@@ -91,7 +93,7 @@ class RequestState:
         output = RequestOutput(request_id, prompt, list(ids), arrival_time=first.arrival_time or time.time(),
                                logprobs=[] if params.logprobs is not None else None,
                                prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
-        req = cls(output, [], [], len(seqs), multi, multi or not is_plain_greedy(params))
+        req = cls(output, [], [], len(seqs), multi, multi or not is_plain_greedy(params), decoder=decoder)
         comps = [CompletionOutput(i, logprobs=[] if s.params.logprobs is not None else None)
                  for i, s in enumerate(seqs)] if multi else []
         for i, seq in enumerate(seqs):
@@ -203,6 +205,8 @@ class OutputProcessor:
         out.token_ids.extend(tokens)
         if out.logprobs is not None:
             out.logprobs.extend(logprobs)  # type: ignore[arg-type]  # not None where logprobs are asked for
+            if req.decoder is not None:
+                name_tokens(logprobs, req.decoder.decode_one)
         if request_out.first_token_time is None:
             request_out.first_token_time = now
         delta = ""
@@ -259,7 +263,10 @@ class OutputProcessor:
                 continue
             targets = torch.tensor(prompt[first + 1 : first + 1 + m], device=chunk.logits.device)  # [m]
             k = smp.seq.params.prompt_logprobs or 0
-            plp[first + 1 : first + 1 + m] = top_logprobs(chunk.logits[:m], targets, [k] * m)
+            entries = top_logprobs(chunk.logits[:m], targets, [k] * m)
+            if smp.request.decoder is not None:
+                name_tokens(entries, smp.request.decoder.decode_one)
+            plp[first + 1 : first + 1 + m] = entries
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every live request with ``message`` as its error; returns their outputs."""

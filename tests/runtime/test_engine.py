@@ -172,6 +172,9 @@ def test_logprobs_align_with_tokens(model_dir):
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and len(entry) == 2
         assert entry[token] == max(entry.values())
+    for token, entry in zip(out.token_ids, out.logprobs):  # vLLM's Logprob fields
+        assert entry[token].rank == 1 and entry[token].logprob == entry[token]
+        assert all(lp.decoded_token == engine.tokenizer.decode([t]) for t, lp in entry.items())
     assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
     assert out.cumulative_logprob < 0 and out.outputs[0].cumulative_logprob == out.cumulative_logprob
     rid = engine.add_request([7, 1], SamplingParams(temperature=0, max_tokens=2))
