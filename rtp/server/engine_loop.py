@@ -133,6 +133,9 @@ class EngineLoop:
                 assert self.listen is not None and metrics_dir is not None
                 hello["replicas"] = [e.to_json() for e in self.replicas]
                 self.links = spawn_frontends(self.count, self.listen, hello, metrics_dir, cfg.liveness.timeout_s)
+                # The frontends hold the listening socket now. Rank 0's copy would keep it listening after they
+                # closed theirs at a stop: new clients would wait in its backlog, unanswered, until rank 0 exits.
+                self.listen.close()
             if self.exit_code == 0 and self._wait_ready():
                 if self.accept_on is None:
                     logger.info("serving on %s (%d API frontend process(es): pid %s)", self.url, self.count,

@@ -314,15 +314,17 @@ def wait_streaming(results: list[dict], n: int, timeout: float, what: str) -> No
 
 
 @pytest.mark.timeout(180)
-def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(servers):
+@pytest.mark.parametrize("frontends", ["0", "1"])
+def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(servers, frontends):
     # A server of its own with a long context: 8000 tokens take several times the grace even on a fast
     # decode path (the tiny model's 2048 positions allowed only ~4 s, about the grace itself).
-    config = servers["tmp"] / "long.yaml"
-    model = with_positions(Path(shutil.copytree(default_model_dir(), servers["tmp"] / "long-model")), 8192)
+    config = servers["tmp"] / f"long{frontends}.yaml"
+    model = with_positions(Path(shutil.copytree(default_model_dir(), servers["tmp"] / f"long-model{frontends}")),
+                           8192)
     base = (servers["tmp"] / "cpu.yaml").read_text().replace(str(default_model_dir()), str(model))
     config.write_text(base.replace("max_num_seqs: 64", "max_num_seqs: 64\nmax_model_len: 8192")
                       + "  max_tokens_limit: 8192\n")
-    server = launch(servers["tmp"], "grace", config, "--api-server-count", "0")
+    server = launch(servers["tmp"], f"grace{frontends}", config, "--api-server-count", frontends)
     try:
         wait_ready(server)
         _sigterm_during_a_short_and_a_long_request(server)
@@ -345,6 +347,7 @@ def _sigterm_during_a_short_and_a_long_request(server: Server) -> None:
         time.sleep(0.02)
     start = time.time()
     os.kill(server.rank0_pid, signal.SIGTERM)  # rank 0 itself: torchrun then sees every rank exit 0
+    _new_clients_are_refused_while_it_drains(server.url)
     rc = server.proc.wait(GRACE_S + 30)
     elapsed = time.time() - start
     for t in threads:
@@ -355,6 +358,21 @@ def _sigterm_during_a_short_and_a_long_request(server: Server) -> None:
     assert long_["finish"] is None and long_["done"] and long_["error"]["code"] == "service_unavailable"
     assert shm_segments(server.rank0_pid) == []
     assert "rtp.runtime.coordinator: shut down" in server.text()
+
+
+def _new_clients_are_refused_while_it_drains(url: str) -> None:
+    """Within a few seconds of the stop nobody listens: a new connection is refused at once (it was left
+    waiting, unanswered, in the listening socket's backlog while any process still held the socket)."""
+    deadline = time.time() + 5
+    while True:
+        try:
+            httpx.get(url + "/health", timeout=2)  # answered: the listener has not closed yet
+        except httpx.ConnectError:
+            return
+        except httpx.TransportError as e:  # a timeout or a reset: the connection was taken and never served
+            raise AssertionError(f"a new client was left waiting during the drain: {e!r}") from None
+        assert time.time() < deadline, "the server still accepted connections 5 s into its stop"
+        time.sleep(0.1)
 
 
 @pytest.mark.timeout(120)
