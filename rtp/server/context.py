@@ -199,6 +199,13 @@ class ServerContext:
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
             raise runtime_error(e, prompt_param) from None
 
+    async def echo_text(self, req: CommonRequest, prompt: str | list[int], ids: list[int]) -> str:
+        """The prompt as completions' ``echo`` returns it: its own text, or its ids decoded (token ids, or the
+        tokens ``truncate_prompt_tokens`` kept)."""
+        if isinstance(prompt, str) and req.truncate_prompt_tokens is None:
+            return prompt
+        return await self.off_loop(self.tokenizer.decode, ids)
+
     def tool_mode(self, req: ChatCompletionRequest) -> tuple[ToolMode, str | None]:
         """How a chat request's output is parsed for tool calls, and the function it names (if any);
         400 for tool_choice "auto" on a server that cannot parse tool calls."""

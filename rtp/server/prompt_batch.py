@@ -86,7 +86,7 @@ async def batch_completions(api: ServerContext, request: Request, req: Completio
                                    base=i * n)
             build.prompt_logprobs, build.continuous_usage = req.prompt_logprobs, req.continuous_usage
             if req.echo:
-                build.echo = prompt if isinstance(prompt, str) else await api.off_loop(api.tokenizer.decode, prompt)
+                build.echo = await api.echo_text(req, prompt, ids)
             builders.append(build)
     except BaseException:
         for stream in streams:

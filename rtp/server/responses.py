@@ -65,8 +65,9 @@ class ResponseBuilder:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def usage(self, out: RequestOutput) -> dict[str, Any]:
-        completion = out.num_completion_tokens
+    def usage(self, out: RequestOutput, choice: RequestOutput | CompletionOutput | None = None) -> dict[str, Any]:
+        """The request's usage; with ``choice``, that choice's own generated tokens (vLLM's per-chunk usage)."""
+        completion = out.num_completion_tokens if choice is None else len(choice.token_ids)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.num_prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
@@ -248,7 +249,7 @@ class ResponseBuilder:
         self._with_prompt(choice, request)
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
         if self.continuous_usage:
-            body["usage"] = self.usage(request)
+            body["usage"] = self.usage(request, out)
         return body
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:

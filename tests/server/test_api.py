@@ -272,7 +272,7 @@ def test_chat_template_switches_and_vllm_sampling_fields_reach_the_engine(served
     assert params.include_stop_str_in_output and params.stop_strings == ["x"] and params.seed == -5
 
 
-def test_truncate_prompt_tokens_keeps_the_end_before_max_tokens_is_fitted(served):
+def test_truncate_prompt_tokens_keeps_the_end_before_max_tokens_is_fitted(served, tokenizer):
     client, engine, _ = served
     prompt = list(range(1, 2 * MAX_MODEL_LEN))  # longer than the context
     r = client.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 8})
@@ -283,6 +283,13 @@ def test_truncate_prompt_tokens_keeps_the_end_before_max_tokens_is_fitted(served
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a b c d e f"}],
                                                   "truncate_prompt_tokens": 2, "max_tokens": 1})
     assert r.status_code == 200 and len(engine.added[-1][0]) == 2
+    for echoed in (prompt, "a b c d e f g h i j k l"):  # echo returns the tokens kept, with their logprobs
+        r = client.post("/v1/completions", json={"prompt": echoed, "truncate_prompt_tokens": 3, "max_tokens": 2,
+                                                 "echo": True, "logprobs": 0})
+        kept = engine.added[-1][0]
+        choice = r.json()["choices"][0]
+        assert len(kept) == 3 and choice["text"] == tokenizer.decode(kept) + expected_text(tokenizer, 2)
+        assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
     r = client.post("/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 

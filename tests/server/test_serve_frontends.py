@@ -8,6 +8,7 @@ no rank, frontend or segment left) and SIGTERM (running requests finish, exit 0)
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -133,6 +134,18 @@ def test_a_stop_string_ends_the_request_in_the_engine(server, reference):
     streamed: dict = {}
     read_stream_keyed(server.url, {**body, "stream": True}, streamed)
     assert (streamed["finish"], streamed["stop_reason"], streamed["text"]) == ("stop", ids[3], choice["text"])
+
+
+def test_continuous_usage_counts_each_choices_own_tokens(server):
+    body = {"prompt": "Once", "max_tokens": 5, "n": 2, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for e in events[:-1]:
+        seen[e["choices"][0]["index"]].append(e["usage"]["completion_tokens"])
+    assert all(v and v == sorted(v) and v[-1] == 5 for v in seen.values()), seen  # not the sum over choices
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 10
 
 
 def test_a_grammar_reaches_the_engine(server):

@@ -55,8 +55,7 @@ class GenerationRoutes:
         build = ResponseBuilder("text_completion", rid, ctx.model_name, ctx.tokenizer, len(ids), req.logprobs)
         build.prompt_logprobs = req.prompt_logprobs
         if req.echo:
-            prompt = req.prompt_value()
-            build.echo = prompt if isinstance(prompt, str) else await ctx.off_loop(ctx.tokenizer.decode, prompt)
+            build.echo = await ctx.echo_text(req, req.prompt_value(), ids)
         return await ctx.respond(request, req, stream, ids, build)
 
     async def chat_completions(self, request: Request) -> Response:
