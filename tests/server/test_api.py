@@ -317,9 +317,11 @@ def test_models_and_health(served):
     assert client.get(f"/v1/models/{MODEL}").status_code == 200
     assert client.get("/v1/models/other").status_code == 404
     assert client.get("/health").status_code == 200
+    assert client.get("/ping").status_code == client.post("/ping").status_code == 200  # vLLM's other name
     async_engine.fail("rank 1 (pid 1) died")
     r = client.get("/health")
     assert r.status_code == 503 and "rank 1" in r.json()["reason"]
+    assert client.post("/ping").status_code == 503
     r = client.post("/v1/completions", json={"prompt": "a"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
 

@@ -1,5 +1,5 @@
 """The routes about the served model and the server: /v1/models, vLLM's /tokenize, /detokenize and
-/version, /health and /metrics."""
+/version, /health (also /ping) and /metrics."""
 
 from __future__ import annotations
 
@@ -54,6 +54,8 @@ class InfoRoutes:
         app.add_api_route("/health", self.health, methods=["GET"], summary="Liveness of the engine",
                           responses={200: {"model": HealthResponse},
                                      503: {"model": HealthResponse, "description": "the engine is not serving"}})
+        # vLLM's other name for /health (load balancers probe it), left out of the schema as an alias.
+        app.add_api_route("/ping", self.health, methods=["GET", "POST"], include_in_schema=False)
         return RouteDocs({"/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
 
     async def models(self) -> dict[str, Any]:
