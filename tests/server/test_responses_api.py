@@ -103,6 +103,7 @@ def test_bad_requests_get_400s_naming_the_field(served):
                         ({"input": [{"content": "no role"}]}, "input.0.role"),
                         ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id"),
                         ({"input": "a", "max_output_tokens": 0}, "max_output_tokens"),
+                        ({"input": "a", "max_output_tokens": 100_000}, "max_output_tokens"),  # over the limit
                         ({"input": "a", "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
                         ({"input": "a", "model": "other"}, "model")):
         r = http.post("/v1/responses", json=body)
@@ -146,3 +147,20 @@ def test_a_named_tool_choice_streams_one_function_call_item():
     done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
     assert json.loads(done[0]["arguments"]) == {"city": "Oslo"}
     assert w.items[0]["call_id"].startswith("call_") and w.items[0]["status"] == "completed"
+
+
+def test_an_item_cut_off_by_max_output_tokens_is_incomplete_and_the_ones_before_it_completed():
+    # Streamed: a reasoning item, then a named function call whose arguments ran out of tokens.
+    w = writer(ChatOutput(reasoning=True, tool_mode="named", tool_name="get_weather"))
+    w.delta_events({"reasoning_content": "plan"})
+    w.delta_events({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                    "function": {"name": "get_weather", "arguments": '{"ci'}}]})
+    done = [e["item"] for e in parse(w._finish_open("incomplete")) if e["type"] == "response.output_item.done"]
+    assert [i["status"] for i in w.items] == ["completed", "incomplete"] and done[0]["type"] == "function_call"
+    # Not streamed: the same rule.
+    full = writer(ChatOutput(reasoning=True))
+    items = full.items_of({"reasoning_content": "plan", "tool_calls": [
+        {"id": "call_1", "function": {"name": "f", "arguments": "{}"}},
+        {"id": "call_2", "function": {"name": "f", "arguments": '{"a'}}]}, "incomplete")
+    assert [(i["type"], i["status"]) for i in items] == [("reasoning", "completed"), ("function_call", "completed"),
+                                                         ("function_call", "incomplete")]
