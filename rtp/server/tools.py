@@ -125,11 +125,13 @@ class ToolCallStream:
                 content += TOOL_CALL_START + block + TOOL_CALL_END  # not a call: pass it on as text
             else:
                 calls.append(call)
-        if final:
+        if final:  # an unclosed last block (a call, else text from its tag on), or text after the last block
             start = text.find(TOOL_CALL_START)
             call = call_from_json(text[start + len(TOOL_CALL_START):].strip()) if start >= 0 else None
             if call is not None:
                 calls.append(call)
+            elif start >= 0:
+                content += text[start:]
             elif text.strip():
                 content += text
         else:

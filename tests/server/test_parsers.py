@@ -73,6 +73,9 @@ CALL2 = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     # A valid call and an invalid block: the call is kept (a stream has sent it), the block is text.
     (CALL + "\n<tool_call>{oops</tool_call>", "<tool_call>{oops</tool_call>", [("get_weather", {"city": "Paris"})]),
     (CALL + "\nDone.", "\nDone.", [("get_weather", {"city": "Paris"})]),
+    # Cut inside a second call's JSON: the block is text (without the newline between the blocks).
+    ("Sure. " + CALL + '\n<tool_call>\n{"name": "get_ti', 'Sure. <tool_call>\n{"name": "get_ti',
+     [("get_weather", {"city": "Paris"})]),
 ])
 def test_tool_call_parsing_and_its_stream_agree(text, content, calls):
     got_content, got_calls = parse_tool_calls(text)
