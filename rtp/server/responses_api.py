@@ -51,7 +51,7 @@ class ResponseWriter:
         self.req, self.id, self.model, self.output = req, response_id, model, output
         self.params = params  # what the request runs with: the Response repeats its temperature and top_p
         self.num_prompt_tokens = num_prompt_tokens
-        self.created = time.time()
+        self.created = int(time.time())  # whole seconds, as OpenAI's
         self.items: list[dict[str, Any]] = []  # output items, in order
         self._open: dict[str, Any] | None = None  # the item being streamed
         self._seq = 0

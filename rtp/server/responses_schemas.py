@@ -86,7 +86,7 @@ class ResponseObject(_Doc):
 
     id: str
     object: Literal["response"]
-    created_at: float
+    created_at: int
     status: Literal["in_progress", "completed", "incomplete"]
     model: str
     output: list[OutputItem]

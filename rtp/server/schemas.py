@@ -233,6 +233,8 @@ class ModelCard(_Doc):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str = Field(description="the model this card serves (vLLM's field; rtp serves one model, under its name)")
+    parent: None = Field(default=None, description="always null: no fine-tuned variants are served")
     max_model_len: int = Field(ge=1, description="context length in tokens, prompt and output together")
 
 

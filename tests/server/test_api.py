@@ -313,7 +313,8 @@ def test_default_max_tokens_shrinks_to_fit_the_context(served):
 
 def test_models_and_health(served):
     client, _, async_engine = served
-    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["id"] == card["root"] == MODEL and card["parent"] is None  # vLLM's fields
     assert client.get(f"/v1/models/{MODEL}").status_code == 200
     assert client.get("/v1/models/other").status_code == 404
     assert client.get("/health").status_code == 200

@@ -53,6 +53,7 @@ def test_plain_text_input_with_instructions(served, tokenizer):
     assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
     assert r.output_text == expected_text(tokenizer, 5)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # 5 tokens ran out
+    assert r.created_at == int(r.created_at)  # whole seconds, as OpenAI's
     assert [item.type for item in r.output] == ["message"] and r.output[0].role == "assistant"
     assert r.usage.input_tokens == len(ids) and r.usage.output_tokens == 5 and r.usage.total_tokens == len(ids) + 5
     assert r.instructions == "Be terse." and r.max_output_tokens == 5 and r.temperature == 0.5

@@ -70,7 +70,7 @@ class InfoRoutes:
     def model_card(self) -> dict[str, Any]:
         ctx = self.ctx
         return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "rtp",
-                "max_model_len": ctx.max_model_len}
+                "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len}
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /tokenize: a prompt, or chat messages through the chat template, to token ids."""
