@@ -20,6 +20,7 @@ structured outputs as ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -277,7 +278,12 @@ class FunctionCall(_Strict):
     """The function an assistant message called: its name and its arguments as JSON text."""
 
     name: str
-    arguments: str
+    arguments: str = Field(description="JSON text (an object is taken too, as vLLM does, and written as JSON)")
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _object_as_text(cls, value: Any) -> Any:  # noqa: ANN401
+        return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else value
 
 
 class ToolCallParam(_Strict):
@@ -379,6 +385,26 @@ class ChatCompletionRequest(CommonRequest):
     continue_final_message: bool = Field(
         default=False, description="continue the last message, an assistant's, instead of closing it (with "
                                    "add_generation_prompt false)")
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _one_tool_choice(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:  # noqa: ANN401
+        """A named choice's own error (e.g. its missing function), not the first member of the union's."""
+        try:
+            return handler(value)
+        except ValidationError:
+            if not isinstance(value, dict):
+                raise PydanticCustomError("tool_choice_type", 'must be "none", "auto", "required" or '
+                                          '{"type": "function", "function": {"name": ...}}') from None
+            try:
+                NamedToolChoice.model_validate(value)
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(x) for x in err["loc"])
+                raise PydanticCustomError("named_tool_choice", 'a named tool_choice is {"type": "function", '
+                                          '"function": {"name": ...}}: {where}: {msg}',
+                                          {"where": where, "msg": err["msg"]}) from None
+            raise
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -294,6 +294,24 @@ def test_truncate_prompt_tokens_keeps_the_end_before_max_tokens_is_fitted(served
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_tool_choice_errors_say_what_a_choice_is_and_call_arguments_may_be_an_object(served, tokenizer):
+    client, engine, _ = served
+    r = client.post("/v1/chat/completions", json={"messages": MSG, "tool_choice": {"type": "function"}})
+    message = r.json()["error"]["message"]
+    assert 'a named tool_choice is {"type": "function", "function": {"name": ...}}: function: Field' in message
+    r = client.post("/v1/chat/completions", json={"messages": MSG, "tool_choice": "any"})
+    assert 'must be "none", "auto", "required" or' in r.json()["error"]["message"]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    as_text = {**call, "function": {"name": "f", "arguments": '{"x": 1}'}}
+    prompts = []
+    for c in (call, as_text):  # an object is taken as its JSON text, as vLLM does
+        turns = [*MSG, {"role": "assistant", "content": None, "tool_calls": [c]}]
+        r = client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        prompts.append(engine.added[-1][0])
+    assert prompts[0] == prompts[1]
+
+
 def test_completion_logprobs_shape(served):
     client, _, _ = served
     r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4, "logprobs": 1})
@@ -493,6 +511,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": MSG, "response_format": {"type": "json_schema"}}, 400,
      "response_format.json_schema"),
     ("chat/completions", {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    ("chat/completions", {"messages": MSG, "tool_choice": {"type": "function"}}, 400, "tool_choice"),
+    ("chat/completions", {"messages": MSG, "tool_choice": "any"}, 400, "tool_choice"),
     ("chat/completions", {"messages": MSG, "guided_regex": "([a-"}, 400, "guided_regex"),
     ("chat/completions", {"messages": MSG, "guided_regex": "a", "structured_outputs": {"choice": ["b"]}}, 400,
      "structured_outputs.choice"),
