@@ -60,7 +60,7 @@ class SamplingParams:
     """Per-request seed: the sampler's draws for a seed are the same whatever else is batched. The tokens are too
     where the logits are: another batch (n > 1, concurrent requests) changes a row's logits by rounding only, which
     in float32 practically never moves a sampled token, while in bfloat16 it can (as in vLLM without its
-    batch-invariant mode)."""
+    batch-invariant mode); with ``model.batch_invariant`` the logits, and so the tokens, are the same too."""
     stop: str | list[str] | None = None
     """Strings that end generation; the output is truncated before the stop string."""
     include_stop_str_in_output: bool = False

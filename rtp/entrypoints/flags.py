@@ -107,6 +107,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "auto (the model's dtype) or fp8_e4m3 (one byte per element, per-layer scales; vLLM's fp8 accepted)",
          metavar="{auto,fp8_e4m3}"),
     Flag("model.enforce_eager", ("--enforce-eager",), None, "no CUDA graphs"),
+    Flag("model.batch_invariant", ("--batch-invariant",), None,
+         "a request's tokens do not depend on the rest of the batch (CPU)"),
     Flag("model.cuda_graph_max_batch", ("--max-cudagraph-capture-size",), int, "largest decode batch in a CUDA graph"),
     Flag("parallel.shm_chunk_bytes", ("--shm-chunk-bytes",), int, "bytes per chunk of the step-plan ring"),
     Flag("parallel.shm_num_chunks", ("--shm-num-chunks",), int, "chunks of the step-plan ring"),

@@ -135,6 +135,9 @@ class PagedAttention(nn.Module):
         for buf in (self.k_scale, self.v_scale):
             buf.weight_loader = load_kv_scale
         self.backend: AttnBackend = "torch"  # set by the runner, from choose_attn_backend(), for every layer
+        # "cpu" backend: one-query rows take the varlen kernel too, so that a row's result does not depend on the
+        # step it is in (model.batch_invariant; set by the runner).
+        self.varlen_decode = False
 
     def cache_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(k_scale, v_scale) for the kernels: the layer's scales with an FP8 cache, else (None, None)."""
@@ -187,7 +190,7 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, tables: torch.Tensor
     ) -> torch.Tensor:
         # q: [T, Hq, D] -> [T, Hq, D]; this step's k/v are already in the cache.
-        if meta.decode_only:
+        if meta.decode_only and not self.varlen_decode:
             return cpu_attention.paged_decode_attention_cpu(
                 q, self.k_cache, self.v_cache, tables, meta.context_lens, self.scale
             )

@@ -92,7 +92,9 @@ class CpuForward:
         assert ops is not None and attention is not None, "checked by unsupported()"
         self.ops = ops
         self.decode, self.varlen = attention.paged_decode, attention.paged_prefill
-        self.layers = [self._bind(layer) for layer in inner.layers if isinstance(layer, Qwen3DecoderLayer)]
+        layers = [layer for layer in inner.layers if isinstance(layer, Qwen3DecoderLayer)]
+        self.layers = [self._bind(layer) for layer in layers]
+        self.varlen_decode = any(layer.self_attn.attn.varlen_decode for layer in layers)  # see PagedAttention
 
     @staticmethod
     def _bind(layer: Qwen3DecoderLayer) -> tuple[Any, ...]:
@@ -110,7 +112,8 @@ class CpuForward:
         model's forward computes them (the step's keys and values stored in the cache)."""
         ops, reduce = self.ops, self.reduce
         slots, tables, lens, t = meta.slot_mapping, meta.block_tables, meta.context_lens, ids.shape[0]
-        cu_q = None if meta.decode_only else meta.cu_seqlens_q  # varlen attention unless one token a sequence
+        # varlen attention unless one token a sequence (and the decode kernel allowed)
+        cu_q = None if meta.decode_only and not self.varlen_decode else meta.cu_seqlens_q
         decode, varlen = self.decode, self.varlen
         x = self.embed(ids)  # [T, hidden]
         residual = None

@@ -20,13 +20,13 @@ from rtp.core.step import StepPlan
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.pipeline import StageLink, stage_layers
 from rtp.errors import ConfigError
-from rtp.kernels import cpu_ops
+from rtp.kernels import cpu_gemm, cpu_ops
 from rtp.kernels.cpu_features import native_bf16
 from rtp.kernels.fp8_kv import kv_cache_dtype
 from rtp.log import get_logger
 from rtp.model.attention import AttnMetadata, choose_attn_backend
-from rtp.model.cpu_forward import CpuForward, bind_cpu_forward
-from rtp.model.linear import cpu_linear_method, pack_linear_weights
+from rtp.model.cpu_forward import CpuForward, bind_cpu_forward, unsupported
+from rtp.model.linear import CpuLinearMethod, cpu_linear_method, pack_linear_weights
 from rtp.model.loader import LoadReport, load_weights
 from rtp.model.quant import checkpoint_format
 from rtp.model.quant.int8 import quantize_int8
@@ -183,6 +183,7 @@ def load_model(
     expert_parallel: bool = False,
     quantization: str | None = None,
     layer_partition: tuple[int, ...] | None = None,
+    linear_method: CpuLinearMethod | None = None,
 ) -> tuple[Qwen3ForCausalLM, LoadReport]:
     """Build this rank's slice of the model (dense Qwen3 or Qwen3-MoE) on its device and load the weights.
 
@@ -218,11 +219,23 @@ def load_model(
         logger.info("the %s checkpoint's projections: %s", quant.name, how)
     if quantization == "int8":
         logger.info("int8: %d layers quantized per output channel", quantize_int8(model))
-    method = cpu_linear_method(ps.device, dtype)
+    method = linear_method or cpu_linear_method(ps.device, dtype)
     if method is not None:
         n = pack_linear_weights(model, method)  # the layers still plain (all, or the LM head and routers)
         logger.info("packed %d linear weights for %s", n, "rtp's CPU GEMM" if method == "gemm" else "oneDNN")
     return model.eval(), report
+
+
+def _check_batch_invariant(ps: ParallelState, attn_backend: str, quantization: str | None) -> None:
+    """model.batch_invariant needs the kernels whose rows do not depend on the batch: the C++ CPU attention and
+    rtp's panel GEMM over float weights."""
+    if ps.device.type != "cpu" or attn_backend != "cpu":
+        raise ConfigError("model.batch_invariant is implemented for the CPU kernels only: the C++ attention over a "
+                          f"cache in the compute dtype (here: {ps.device.type}, the {attn_backend!r} attention)")
+    if not cpu_gemm.available():
+        raise ConfigError("model.batch_invariant needs rtp's CPU GEMM kernel, which did not build here")
+    if quantization is not None:
+        raise ConfigError(f"model.batch_invariant covers float weights, not quantization={quantization!r}")
 
 
 class ModelRunner:
@@ -254,9 +267,12 @@ class ModelRunner:
         if ps.device.type == "cuda" and self.attn_backend == "torch":
             logger.warning("neither flash-attn (not installed, dtype %s, or pre-Ampere GPU) nor triton is usable "
                            "here: using the slow torch attention", self.dtype)
+        if model_config.batch_invariant:
+            _check_batch_invariant(ps, self.attn_backend, model_config.quantization)
         self.model, self.load_report = load_model(model_dir, ps, self.dtype, model_config.max_model_len,
                                                   config.parallel.expert_parallel, model_config.quantization,
-                                                  config.parallel.pipeline_layer_partition)
+                                                  config.parallel.pipeline_layer_partition,
+                                                  "gemm" if model_config.batch_invariant else None)
         self.spec = self.model.spec
         limit = self.spec.context_limit
         if model_config.max_model_len is not None and model_config.max_model_len > limit:
@@ -268,7 +284,7 @@ class ModelRunner:
         self.block_size = block_size
         layers = self.model.attention_layers()
         for attn in layers:
-            attn.backend = self.attn_backend
+            attn.backend, attn.varlen_decode = self.attn_backend, model_config.batch_invariant
         self.max_num_batched_tokens = step_token_budget(config.scheduler.max_num_batched_tokens, ps.device,
                                                         self.spec, self.dtype, ps.tp_size, max_num_seqs)
         """Most query tokens in one step (the configured budget, or one derived for this model)."""
@@ -307,6 +323,13 @@ class ModelRunner:
             )
         self.cpu_forward: CpuForward | None = bind_cpu_forward(self.model, ps, "steps")
         """Steps on CPU as bound C++ kernel calls (:mod:`rtp.model.cpu_forward`), where they serve."""
+        self.batch_invariant = model_config.batch_invariant
+        if self.batch_invariant and self.cpu_forward is None:
+            raise ConfigError("model.batch_invariant needs the forward as rtp's bound CPU kernels, which cannot run "
+                              f"this one: {unsupported(self.model, ps)}")
+        if self.batch_invariant and ps.rank == 0:
+            logger.info("batch_invariant: every attention row takes the varlen kernel and every linear rtp's panel "
+                        "GEMM, so a request's outputs do not depend on the rest of the batch")
         self.aux_layers: tuple[int, ...] = ()
         """Decoder layers whose input hidden states rank 0's steps return (:meth:`request_aux_hidden`)."""
 
@@ -324,6 +347,9 @@ class ModelRunner:
         if bad:
             raise ConfigError(f"auxiliary hidden state layer {bad[0]} is out of range: the model has "
                               f"{self.spec.num_layers} decoder layers")
+        if self.batch_invariant:
+            raise ConfigError("auxiliary hidden states (EAGLE-3) run the steps through the modules, which "
+                              "model.batch_invariant does not cover")
         self.aux_layers = tuple(layers)
         if self.graphs is not None:
             logger.info("decode steps run eagerly: they return auxiliary hidden states (not captured yet)")
