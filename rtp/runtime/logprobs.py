@@ -30,11 +30,11 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: list[int])
     ``logits`` is float ``[R, vocab]``, ``chosen`` int64 ``[R]`` on the same device. A token that is
     both among the top ones and the chosen one appears once; ``num_top[i]`` may be 0 (the chosen
     token only) or exceed the vocabulary (every token). Ranks count from 1 (the likeliest token); the
-    chosen token's is one more than the number of tokens more likely than it.
+    chosen token's is the number of tokens at least as likely as it, as vLLM counts (a tie shares the lower rank).
     """
     logprobs = torch.log_softmax(logits, dim=-1)  # [R, vocab]
     chosen_t = logprobs.gather(1, chosen[:, None])  # [R, 1]
-    chosen_rank = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
+    chosen_rank = (logprobs >= chosen_t).sum(dim=1, dtype=torch.int32).tolist()  # int32: 7x the int64 sum's rate
     chosen_lp = chosen_t[:, 0].tolist()
     chosen_ids = chosen.tolist()
     max_n = min(max(num_top, default=0), logprobs.shape[1])

@@ -226,16 +226,23 @@ def load_model(
     return model.eval(), report
 
 
-def _check_batch_invariant(ps: ParallelState, attn_backend: str, quantization: str | None) -> None:
+def _check_batch_invariant(ps: ParallelState, attn_backend: str, dtype: torch.dtype, quantization: str | None
+                           ) -> None:
     """model.batch_invariant needs the kernels whose rows do not depend on the batch: the C++ CPU attention and
-    rtp's panel GEMM over float weights."""
+    rtp's panel GEMM over float32 or bfloat16 weights, and all-reduces that add the ranks in one order."""
     if ps.device.type != "cpu" or attn_backend != "cpu":
         raise ConfigError("model.batch_invariant is implemented for the CPU kernels only: the C++ attention over a "
                           f"cache in the compute dtype (here: {ps.device.type}, the {attn_backend!r} attention)")
     if not cpu_gemm.available():
         raise ConfigError("model.batch_invariant needs rtp's CPU GEMM kernel, which did not build here")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ConfigError(f"model.batch_invariant covers float32 and bfloat16, not {dtype}")
     if quantization is not None:
         raise ConfigError(f"model.batch_invariant covers float weights, not quantization={quantization!r}")
+    if ps.tp_size > 2 and ps.node_reduce is None:
+        # gloo's ring sums an element in an order set by where it falls in the tensor (two ranks: a + b either way)
+        raise ConfigError("model.batch_invariant with more than two tensor-parallel ranks needs them on one node "
+                          "(its shared-memory all-reduce adds the ranks in one order; gloo's ring does not)")
 
 
 class ModelRunner:
@@ -268,7 +275,7 @@ class ModelRunner:
             logger.warning("neither flash-attn (not installed, dtype %s, or pre-Ampere GPU) nor triton is usable "
                            "here: using the slow torch attention", self.dtype)
         if model_config.batch_invariant:
-            _check_batch_invariant(ps, self.attn_backend, model_config.quantization)
+            _check_batch_invariant(ps, self.attn_backend, self.dtype, model_config.quantization)
         self.model, self.load_report = load_model(model_dir, ps, self.dtype, model_config.max_model_len,
                                                   config.parallel.expert_parallel, model_config.quantization,
                                                   config.parallel.pipeline_layer_partition,

@@ -65,12 +65,16 @@ class ResponseBuilder:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def usage(self, out: RequestOutput, choice: RequestOutput | CompletionOutput | None = None) -> dict[str, Any]:
-        """The request's usage; with ``choice``, that choice's own generated tokens (vLLM's per-chunk usage)."""
-        completion = out.num_completion_tokens if choice is None else len(choice.token_ids)
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion,
+    def usage(self, out: RequestOutput) -> dict[str, Any]:
+        """The request's usage (every choice's generated tokens)."""
+        return {**self.counts(out.num_completion_tokens),
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+    def counts(self, completion: int) -> dict[str, Any]:
+        """Token counts with ``completion`` generated tokens: a chunk's usage with continuous_usage_stats (vLLM's:
+        the chunk's choice's tokens so far; the cached tokens are known only at the end)."""
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.num_prompt_tokens + completion}
 
     # ---- logprobs ----
 
@@ -216,8 +220,7 @@ class ResponseBuilder:
                   "finish_reason": None}
         body = self._envelope("chat.completion.chunk", [choice])
         if self.continuous_usage:
-            body["usage"] = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": 0,
-                             "total_tokens": self.num_prompt_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+            body["usage"] = self.counts(0)
         return body
 
     def chunk(self, out: RequestOutput | CompletionOutput, start: int,
@@ -249,7 +252,7 @@ class ResponseBuilder:
         self._with_prompt(choice, request)
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
         if self.continuous_usage:
-            body["usage"] = self.usage(request, out)
+            body["usage"] = self.counts(len(out.token_ids))
         return body
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:

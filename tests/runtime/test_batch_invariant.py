@@ -1,8 +1,9 @@
 """model.batch_invariant: a request's logprobs, to the last bit, and so its tokens do not depend on the rest of
 the batch nor on how its prompt is chunked (the real tiny model in bfloat16, in process).
 
-The reference is the same request run alone; the other run batches it with prompts of other lengths, chunked
-prefills beside its decode steps, an n = 2 request and requests that arrive while it decodes. Without the mode
+The reference is the same request run alone; the other runs batch it with prompts of other lengths, chunked
+prefills beside its decode steps, an n = 2 request and requests that arrive while it decodes; with too few KV
+blocks (preempted, recomputed) and from the prefix cache. Without the mode
 the same scenario changes its logprobs (decode attention splits a sequence's keys by batch size, and mixed
 steps take another kernel): checked too, so that the scenario keeps exercising what the mode is for.
 """
@@ -21,10 +22,11 @@ from rtp.sampling import SamplingParams
 from rtp.testing import default_model_dir
 
 
-def make_engine(invariant: bool, dtype: str = "bfloat16", **model: object) -> Engine:
+def make_engine(invariant: bool, dtype: str = "bfloat16", blocks: int = 256, caching: bool = False,
+                **model: object) -> Engine:
     config = RtpConfig(
         model=ModelConfig(dtype=dtype, batch_invariant=invariant, **model), parallel=ParallelConfig(device="cpu"),
-        cache=CacheConfig(block_size=16, num_kv_blocks=256),
+        cache=CacheConfig(block_size=16, num_kv_blocks=blocks, enable_prefix_caching=caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16),
     )
     return Engine(config, ModelRunner(ParallelState.single("cpu"), default_model_dir(), config), default_model_dir())
@@ -34,7 +36,9 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-TARGETS = [(prompt(37, 1), SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True, logprobs=0)),
+# A prompt longer than the step budget (chunked as 64 + 64 + 22 alone, elsewhere beside the others), sampled with a
+# seed; and a short greedy one.
+TARGETS = [(prompt(150, 1), SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True, logprobs=0)),
            (prompt(5, 2), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0))]
 
 
@@ -60,14 +64,18 @@ def run(engine: Engine, crowd: bool) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_requests_logprobs_do_not_depend_on_the_batch(dtype):
-    engine = make_engine(True, dtype)
-    alone, crowded = run(engine, crowd=False), run(engine, crowd=True)
-    assert crowded == alone  # token ids and logprobs, exactly
+    alone = run(make_engine(True, dtype), crowd=False)
+    assert run(make_engine(True, dtype), crowd=True) == alone  # token ids and logprobs, exactly
+    tight = make_engine(True, dtype, blocks=24)  # too few blocks for the crowd: sequences are preempted, recomputed
+    assert run(tight, crowd=True) == alone and tight.scheduler.counters.num_preemptions > 0
+    cached = make_engine(True, dtype, caching=True)  # the second time the targets' prompts come from the cache
+    assert run(cached, crowd=False) == alone and run(cached, crowd=True) == alone
     if dtype == "float32":  # (in bfloat16 the tiny model's outputs round the differences away)
-        control = make_engine(False, dtype)
-        assert run(control, crowd=True) != run(control, crowd=False)  # without the mode the scenario moves them
+        assert run(make_engine(False, dtype), crowd=True) != run(make_engine(False, dtype), crowd=False)
 
 
 def test_what_the_mode_does_not_cover_is_refused():
     with pytest.raises(ConfigError, match="quantization='int8'"):
         make_engine(True, quantization="int8")
+    with pytest.raises(ConfigError, match="float32 and bfloat16, not torch.float16"):
+        make_engine(True, "float16")
