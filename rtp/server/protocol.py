@@ -278,7 +278,8 @@ class FunctionCall(_Strict):
     """The function an assistant message called: its name and its arguments as JSON text."""
 
     name: str
-    arguments: str = Field(description="JSON text (an object is taken too, as vLLM does, and written as JSON)")
+    arguments: str | dict[str, Any] = Field(
+        description="JSON text (an object is taken too, as vLLM does, and written as JSON text)")
 
     @field_validator("arguments", mode="before")
     @classmethod
