@@ -181,13 +181,16 @@ class ServerContext:
                            "model", "model_not_found")
 
     async def submit(self, req: CommonRequest, prompt: str | list[int], logprobs: int | None, prefix: str,
-                     prompt_param: str, constraint: Callable[[], Any] | None = None) -> Submitted:
-        """Tokenize (off the loop), build SamplingParams and queue the request."""
+                     prompt_param: str, constraint: Callable[[], Any] | None = None,
+                     max_tokens_param: str | None = None) -> Submitted:
+        """Tokenize (off the loop), build SamplingParams and queue the request. Errors about the requested
+        max_tokens name ``max_tokens_param`` (default: the request's own field)."""
         try:
             ids = await self.off_loop(self.engine.tokenize, prompt)
             if req.truncate_prompt_tokens is not None:  # before max_tokens is fitted to the context
                 ids = ids[-req.truncate_prompt_tokens:]
-            req_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            req_param = max_tokens_param or (
+                "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens")
             max_tokens = resolve_max_tokens(req.requested_max_tokens(), self.server, len(ids), self.max_model_len,
                                             req_param, prompt_param, self.info.sampling_defaults.get("max_tokens"))
             params = req.sampling_params(max_tokens, logprobs, self.info.sampling_defaults)

@@ -30,7 +30,6 @@ from rtp.sampling import SamplingParams
 from rtp.server.async_engine import RequestStream
 from rtp.server.chat_output import ChatOutput
 from rtp.server.http_errors import ClientGone, runtime_error
-from rtp.server.protocol import ApiError
 from rtp.server.responses_protocol import ResponsesRequest
 from rtp.server.sse import ClosingEventStream
 from rtp.server.streaming import Tracker
@@ -200,13 +199,7 @@ async def create_response(api: ServerContext, request: Request) -> Response:
     mode, tool_name = api.tool_mode(chat)
     text = await api.render_chat(chat.conversation(), chat.tool_dicts(), chat.chat_template_kwargs, True)
     constraint = await api.constraint(chat.tool_grammar() or chat.grammar_spec())
-    try:
-        stream, ids, _, params = await api.submit(chat, text, None, "resp", "input", constraint)
-    except ApiError as e:  # the chat request's field is this request's max_output_tokens
-        if e.param != "max_completion_tokens":
-            raise
-        raise ApiError(e.status, e.message.replace("max_completion_tokens", "max_output_tokens"),
-                       "max_output_tokens", e.code, e.type) from None
+    stream, ids, _, params = await api.submit(chat, text, None, "resp", "input", constraint, "max_output_tokens")
     output = ChatOutput(reasoning=api.server.reasoning_parser is not None, tool_mode=mode, tool_name=tool_name)
     writer = ResponseWriter(req, _id("resp"), api.model_name, len(ids), output, params)
     if req.stream:
