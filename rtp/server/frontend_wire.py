@@ -27,7 +27,7 @@ Python object per streamed chunk and the frontend decodes one frame per step::
     logprob entries of the updates whose finish byte has LOGPROBS set: per token a u16 count
             (NO_LOGPROBS: None), then the (i32 id, f64 logprob) pairs of every entry
     trailer JSON, only when something rare happened: {"errors": {handle: message},
-            "prompt_logprobs": {handle: [null | [[id, logprob], ...], ...]}}
+            "prompt_logprobs": {handle: [null | [[id, logprob, rank], ...], ...]}}
 
 Text is not on the wire: detokenization and stop strings run in the frontend.
 """
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from rtp.outputs import Logprob
 from rtp.sampling import SamplingParams
 from rtp.structured import GrammarSpec
 
@@ -225,7 +226,8 @@ class StepOutputs:
     def encode(self) -> bytes:
         trailer = b""
         if self.errors or self.prompt_logprobs:
-            plp = {h: [None if e is None else list(e.items()) for e in v] for h, v in self.prompt_logprobs.items()}
+            plp = {h: [None if e is None else [[t, lp, getattr(lp, "rank", None)] for t, lp in e.items()] for e in v]
+                   for h, v in self.prompt_logprobs.items()}
             trailer = json.dumps({"errors": self.errors, "prompt_logprobs": plp}).encode()
         stats = [float(self.stats.get(k, 0.0)) for k in STAT_KEYS]
         parts = [_OUT_HEAD.pack(len(self.handles), *stats, len(trailer)), self.handles.tobytes(),
@@ -284,6 +286,6 @@ def decode_outputs(payload: memoryview) -> tuple[dict[str, float], list[SampleUp
     if trailer_len:
         extra = json.loads(bytes(payload[pos : pos + trailer_len]))
         errors = {int(h): m for h, m in extra["errors"].items()}
-        prompt_lps = {int(h): [None if v is None else {int(i): lp for i, lp in v} for v in entries]
+        prompt_lps = {int(h): [None if v is None else {int(i): Logprob(lp, rank) for i, lp, rank in v} for v in entries]
                       for h, entries in extra["prompt_logprobs"].items()}
     return stats, updates, errors, prompt_lps

@@ -104,7 +104,8 @@ class ResponseBuilder:
     def _prompt_logprobs(self, request: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
         """Completions ``prompt_logprobs`` (vLLM's shape): per prompt token None for the first, else token id ->
         ``{"logprob", "rank", "decoded_token"}`` of the top ``prompt_logprobs`` tokens and of the prompt's own
-        (its rank null where it is not among them)."""
+        (outside them, its rank is the engine's: the tokens at least as likely, itself included; null where the
+        entry carries none)."""
         if self.prompt_logprobs is None or request.prompt_logprobs is None:
             return None
         out: list[dict[str, dict[str, Any]] | None] = []
@@ -115,7 +116,7 @@ class ResponseBuilder:
             d = {str(k): {"logprob": self._finite(v), "rank": r, "decoded_token": self._token(k)}
                  for r, (k, v) in enumerate(self._top(entry, self.prompt_logprobs), 1)}
             if tid in entry:
-                d.setdefault(str(tid), {"logprob": self._finite(entry[tid]), "rank": None,
+                d.setdefault(str(tid), {"logprob": self._finite(entry[tid]), "rank": getattr(entry[tid], "rank", None),
                                         "decoded_token": self._token(tid)})
             out.append(d)
         return out

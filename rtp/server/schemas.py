@@ -100,7 +100,8 @@ STOP_REASON = ("with finish_reason \"stop\": the stop string or stop token id th
 
 class PromptLogprob(_Doc):
     logprob: float
-    rank: int | None = Field(description="1 for the likeliest token; null for a prompt token outside the top ones")
+    rank: int | None = Field(description="1 for the likeliest token; a prompt token outside the top ones: the number "
+                                         "of tokens at least as likely as it")
     decoded_token: str
 
 

@@ -7,6 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from rtp.outputs import Logprob
 from rtp.runtime.detokenizer import TokenDecoder
 from rtp.sampling import SamplingParams
 from rtp.server.frontend_outputs import FrontendRequest
@@ -71,13 +72,14 @@ def test_step_outputs_round_trip():
         out.add(h, h % 4, tokens, reason, h * 16, lps)
         expected.append(SampleUpdate(h, h % 4, tokens, reason, h * 16, lps))
     out.errors[99] = "the prompt is too long"
-    out.prompt_logprobs[3] = [None, {4: -0.5, 7: -1.25}]
+    out.prompt_logprobs[3] = [None, {4: Logprob(-0.5, 1), 7: Logprob(-1.25, 2), 8: Logprob(-9.0, 4096)}]
     out.stats = {k: float(i) for i, k in enumerate(STAT_KEYS)}
     [(kind, payload)] = FrameReader().feed(out.encode())
     stats, updates, errors, plps = decode_outputs(payload)
     assert kind == Kind.OUTPUTS and stats == out.stats
     assert updates == expected
-    assert errors == {99: "the prompt is too long"} and plps == {3: [None, {4: -0.5, 7: -1.25}]}
+    assert errors == {99: "the prompt is too long"} and plps == {3: [None, {4: -0.5, 7: -1.25, 8: -9.0}]}
+    assert [lp.rank for lp in plps[3][1].values()] == [1, 2, 4096]  # a prompt token's rank outside the top ones
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rtp.testing import default_model_dir
 from tests.utils import REPO, rank_pids, with_positions
@@ -183,6 +184,28 @@ def _check_greedy(client: openai.OpenAI, tok, ref: list[dict]) -> None:
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref[-1]["text"]
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["plain", "keyed"])  # outputs in rank 0's process, and over the frontend wire
+def test_prompt_logprobs_rank_every_prompt_token_as_hf(servers, name):
+    """vLLM's prompt_logprobs rank a prompt token outside the top ones too: the tokens at least as likely as it
+    (here from HF transformers' logits)."""
+    prompt = " ".join(PROMPTS)
+    ids = AutoTokenizer.from_pretrained(str(default_model_dir())).encode(prompt, add_special_tokens=False)
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)  # [len, vocab]
+    key = API_KEY if name == "keyed" else "unused"
+    client = openai.OpenAI(base_url=servers[name].url + "/v1", api_key=key, max_retries=0, timeout=120)
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=1,
+                                  temperature=0, extra_body={"prompt_logprobs": 1})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    ranks = [plp[i][str(ids[i])]["rank"] for i in range(1, len(ids))]
+    assert all(isinstance(rank, int) for rank in ranks) and max(ranks) > 1, ranks  # tokens outside the top one
+    for i, rank in enumerate(ranks, 1):
+        row, lp = ref[i - 1], ref[i - 1, ids[i]]
+        assert (row > lp + 1e-4).sum().item() < rank <= (row >= lp - 1e-4).sum().item(), (i, rank)
 
 
 @pytest.mark.timeout(300)

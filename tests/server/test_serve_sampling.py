@@ -79,9 +79,11 @@ def test_prompt_logprobs_equal_hf_and_top_logprobs_name_the_sampled_token(client
             entry = plp[i]
             assert str(ids[i]) in entry and abs(entry[str(ids[i])]["logprob"] - ref[i - 1, ids[i]].item()) < 1e-4
             top = ref[i - 1].topk(2)
-            ranked = sorted((v for v in entry.values() if v["rank"] is not None), key=lambda v: v["rank"])
+            ranked = sorted(entry.values(), key=lambda v: v["rank"])[:2]
             assert [v["rank"] for v in ranked] == [1, 2]
             assert all(abs(v["logprob"] - t.item()) < 1e-4 for v, t in zip(ranked, top.values, strict=True))
+            row, lp = ref[i - 1], ref[i - 1, ids[i]]  # the prompt token's rank: the tokens at least as likely
+            assert (row > lp + 1e-4).sum().item() < entry[str(ids[i])]["rank"] <= (row >= lp - 1e-4).sum().item()
             assert len(entry) == 2 + (ids[i] not in top.indices.tolist())
             assert entry[str(ids[i])]["decoded_token"] == tok.decode([ids[i]])
     # Sampled: each position's top_logprobs name the sampled token beside the likeliest one (OpenAI's shape).
