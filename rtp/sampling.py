@@ -99,7 +99,8 @@ class SamplingParams:
     tokens plus the top-N; the first entry is None (vLLM semantics). Such a request does not use
     the prefix cache (every prompt position must be computed)."""
     truncate_prompt_tokens: int | None = None
-    """Keep only the last k tokens of the prompt (vLLM's name); the output's prompt_token_ids are those kept."""
+    """Keep only the last k tokens of the prompt (vLLM's name); -1 keeps the last max_model_len (the model's
+    context). The output's prompt_token_ids are those kept."""
     constraint: Callable[[], TokenConstraint] | None = field(default=None, repr=False, compare=False)
     """Factory of a fresh :class:`TokenConstraint`, called once per output sequence (see the protocol)."""
     stop_strings: list[str] = field(init=False, repr=False)
@@ -133,9 +134,9 @@ class SamplingParams:
             raise bad("min_tokens", "expected a non-negative integer")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
-                                                        or self.truncate_prompt_tokens < 1):
-            raise bad("truncate_prompt_tokens", "expected a positive integer or None")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (not is_int(truncate) or not (truncate >= 1 or truncate == -1)):
+            raise bad("truncate_prompt_tokens", "expected a positive integer, -1 (the model's context) or None")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "expected true or false")
         if not isinstance(self.detokenize, bool):

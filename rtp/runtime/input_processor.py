@@ -13,6 +13,14 @@ from rtp.runtime.sampler import bad_words_token_ids
 from rtp.sampling import SamplingParams
 
 
+def truncate_prompt(ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
+    """The prompt ``ids`` as SamplingParams.truncate_prompt_tokens ``truncate`` leaves it: its last ``truncate``
+    tokens, its last ``max_model_len`` for -1 (vLLM's "truncate to the model's context"), all of them for None."""
+    if truncate is None:
+        return ids
+    return ids[-(max_model_len if truncate == -1 else truncate):]
+
+
 class InputProcessor:
     """Tokenization and token-id checks against one model's tokenizer and vocabulary."""
 
@@ -20,8 +28,8 @@ class InputProcessor:
         self.info = info
 
     def tokenize(self, prompt: str | list[int], truncate: int | None = None) -> list[int]:
-        """Token ids of a prompt given as text or ids, validated; only the last ``truncate`` of them if given
-        (SamplingParams.truncate_prompt_tokens)."""
+        """Token ids of a prompt given as text or ids, validated, then truncated as
+        SamplingParams.truncate_prompt_tokens ``truncate`` says (see :func:`truncate_prompt`)."""
         if isinstance(prompt, str):
             ids = self.info.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -34,7 +42,7 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is out of range: the vocabulary has {vocab} ids")
-        return ids[-truncate:] if truncate is not None else ids
+        return truncate_prompt(ids, truncate, self.info.max_model_len)
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse token ids in ``params`` (logit_bias, allowed_token_ids) that the vocabulary does not have."""

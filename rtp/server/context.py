@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from rtp.config import ServerConfig
 from rtp.outputs import RequestOutput
+from rtp.runtime.input_processor import truncate_prompt
 from rtp.runtime.model_info import ModelInfo
 from rtp.sampling import SamplingParams
 from rtp.server import streaming
@@ -187,8 +188,7 @@ class ServerContext:
         max_tokens name ``max_tokens_param`` (default: the request's own field)."""
         try:
             ids = await self.off_loop(self.engine.tokenize, prompt)
-            if req.truncate_prompt_tokens is not None:  # before max_tokens is fitted to the context
-                ids = ids[-req.truncate_prompt_tokens:]
+            ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)  # before max_tokens is fitted
             req_param = max_tokens_param or (
                 "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens")
             max_tokens = resolve_max_tokens(req.requested_max_tokens(), self.server, len(ids), self.max_model_len,

@@ -121,7 +121,8 @@ class CommonRequest(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[NonEmptyText] | None = None  # "" means no stop string, as in SamplingParams
     include_stop_str_in_output: bool | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1, description="keep only the prompt's last k tokens")
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = Field(
+        default=None, description="keep only the prompt's last k tokens; -1: its last max_model_len (vLLM's)")
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -155,6 +156,16 @@ class CommonRequest(_Strict):
             return handler(value)
         except ValidationError:
             raise PydanticCustomError("stop_type", "must be a string or a list of non-empty strings") from None
+
+    @field_validator("truncate_prompt_tokens", mode="wrap")
+    @classmethod
+    def _truncate(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:  # noqa: ANN401
+        """One error that says what truncate_prompt_tokens may be, instead of one per member of the union."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("truncate_type", "must be a positive integer or -1 (the model's context)"
+                                      ) from None
 
     def check_supported(self) -> None:
         """Raise ApiError(400) for what the field types cannot say (combinations of fields)."""

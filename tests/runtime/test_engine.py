@@ -17,6 +17,7 @@ from rtp.config import ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.errors import ConfigError, RequestError
 from rtp.runtime.batch import BatchMirror
 from rtp.runtime.engine import Engine
+from rtp.runtime.input_processor import truncate_prompt
 from rtp.runtime.model_info import GENERATION_CONFIG, ModelInfo, sampling_defaults_of
 from rtp.runtime.model_runner import StepOutput
 from rtp.sampling import SamplingParams
@@ -128,8 +129,15 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(model_dir):
     rid = engine.add_request([9] * 300 + [5, 6, 7], params)
     out = run(engine)[rid]  # 303 tokens would not fit max_model_len = 256
     assert out.prompt_token_ids == [5, 6, 7] and out.token_ids == [20, 21]
-    with pytest.raises(RequestError, match="truncate_prompt_tokens"):
-        SamplingParams(truncate_prompt_tokens=0)
+    # -1 (vLLM): truncate to the model's context, the last max_model_len tokens; a prompt that fits stays whole
+    rid = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=-1))
+    assert run(engine)[rid].prompt_token_ids == [5, 6, 7]
+    assert truncate_prompt(list(range(300)), -1, engine.max_model_len) == list(range(300 - engine.max_model_len, 300))
+    with pytest.raises(RequestError, match=f"the prompt has {engine.max_model_len} tokens"):  # no room left
+        engine.add_request(list(range(300)), SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
+    for bad in (0, -2, 1.5):
+        with pytest.raises(RequestError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
 
 
 def test_detokenize_false_gives_token_ids_only(model_dir):

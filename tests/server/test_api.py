@@ -290,8 +290,30 @@ def test_truncate_prompt_tokens_keeps_the_end_before_max_tokens_is_fitted(served
         choice = r.json()["choices"][0]
         assert len(kept) == 3 and choice["text"] == tokenizer.decode(kept) + expected_text(tokenizer, 2)
         assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
-    r = client.post("/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": 0})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+    for bad in (0, -2):  # vLLM's bounds: a positive k, or -1
+        r = client.post("/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_the_last_max_model_len_tokens(served):
+    """vLLM's -1: truncate to the model's context. A prompt that fits is kept whole (both routes); a longer one
+    keeps its last max_model_len tokens, which leave no room for a completion token (a 400 on the prompt)."""
+    client, engine, _ = served
+    prompt = list(range(1, 11))
+    r = client.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": -1, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    ids, params, _ = engine.added[-1]
+    assert ids == prompt and params.truncate_prompt_tokens == -1
+    chat = {"messages": [{"role": "user", "content": "a b c d e f"}], "max_tokens": 1}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    whole = engine.added[-1][0]
+    assert client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": -1}).status_code == 200
+    assert engine.added[-1][0] == whole
+    r = client.post("/v1/completions", json={"prompt": list(range(1, 2 * MAX_MODEL_LEN)),
+                                             "truncate_prompt_tokens": -1, "max_tokens": 2})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "prompt", r.text
+    assert f"the prompt has {MAX_MODEL_LEN} tokens" in error["message"]
 
 
 def test_tool_choice_errors_say_what_a_choice_is_and_call_arguments_may_be_an_object(served, tokenizer):
