@@ -85,8 +85,9 @@ class RequestOutput:
     samples: list[CompletionOutput] | None = None
     """Every sample when n > 1 (samples[0] mirrors the flat fields); None when n == 1."""
     stop_reason: int | str | None = None
-    """What ended a "stop": the stop string that matched, or the stop token id; None otherwise (an EOS, a
-    completed grammar, another finish reason). As vLLM's CompletionOutput.stop_reason."""
+    """What ended a "stop": the stop string that matched, or the stop token id (a generation config's EOS id
+    too); None otherwise (the tokenizer's EOS, a completed grammar, another finish reason). As vLLM's
+    CompletionOutput.stop_reason."""
 
     @property
     def finished(self) -> bool:
@@ -119,7 +120,7 @@ def cumulative_logprob(token_ids: list[int], logprobs: list[dict[int, float]] | 
 def stop_reason(stop_string: str | None, token_ids: list[int], stop_token_ids: Collection[int] | None
                 ) -> int | str | None:
     """The stop_reason of a sample that ended with "stop": the stop string that matched, else the last token
-    where it is one of ``stop_token_ids``, else None."""
+    where it is one of ``stop_token_ids`` (a request's are ModelInfo.stop_reason_ids), else None."""
     if stop_string is not None:
         return stop_string
     if token_ids and stop_token_ids and token_ids[-1] in stop_token_ids:

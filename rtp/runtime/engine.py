@@ -137,7 +137,7 @@ class Engine:
             seqs.append(Sequence(next(self._seq_ids), ids, sp, arrival_time=arrival))
         req = RequestState.create(request_id, prompt if isinstance(prompt, str) else None, seqs,
                                   self._token_decoder if self.text_outputs and params.detokenize else None,
-                                  self.inputs.bad_words_ids(params))
+                                  self.inputs.bad_words_ids(params), self.model_info.stop_reason_ids(params))
         with self._lock:  # reserve the id last: nothing after this can fail
             if request_id in self._live_ids:
                 raise RequestError(f"request id {request_id!r} is already in use")

@@ -64,6 +64,16 @@ class ModelInfo:
         return cls(name or Path(model_dir).name, tokenizer, vocab_size, eos_ids(gen, tokenizer), max_model_len,
                    defaults)
 
+    def stop_reason_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that a request with ``params`` names as its stop_reason when they end it, as vLLM's: its
+        stop_token_ids and, unless ignore_eos, the generation config's EOS ids, less the tokenizer's EOS id
+        unless ignore_eos (vLLM checks that one first, as the EOS: stop_reason None, even where stop_token_ids
+        name it)."""
+        ids = frozenset(params.stop_token_ids or ())
+        if params.ignore_eos:
+            return ids
+        return (ids | set(self.eos_token_ids)) - {self.tokenizer.eos_token_id}
+
     def default_params(self, **fields: Any) -> SamplingParams:  # noqa: ANN401
         """SamplingParams of ``fields``, the checkpoint's sampling defaults filling the fields not given."""
         return SamplingParams(**{**self.sampling_defaults, **fields})

@@ -73,6 +73,8 @@ class RequestState:
     """The output step that last changed the request (n > 1: its samples' deltas are reset once per step)."""
     decoder: TokenDecoder | None = None
     """The engine's decoder where it makes text: names the logprobs' tokens (Logprob.decoded_token)."""
+    stop_reason_ids: frozenset[int] = frozenset()
+    """The token ids a "stop" names as its stop_reason (ModelInfo.stop_reason_ids)."""
 
     @property
     def request_id(self) -> str:
@@ -80,7 +82,7 @@ class RequestState:
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, seqs: list[Sequence], decoder: TokenDecoder | None,
-               bad_words: list[list[int]] | None) -> RequestState:
+               bad_words: list[list[int]] | None, stop_reason_ids: frozenset[int]) -> RequestState:
         """The state of a request whose samples are ``seqs`` (one per sample, all with the same prompt).
 
         With ``decoder`` None the outputs carry token ids only: no text, no stop strings.
@@ -93,7 +95,8 @@ class RequestState:
         output = RequestOutput(request_id, prompt, list(ids), arrival_time=first.arrival_time or time.time(),
                                logprobs=[] if params.logprobs is not None else None,
                                prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
-        req = cls(output, [], [], len(seqs), multi, multi or not is_plain_greedy(params), decoder=decoder)
+        req = cls(output, [], [], len(seqs), multi, multi or not is_plain_greedy(params), decoder=decoder,
+                  stop_reason_ids=stop_reason_ids)
         comps = [CompletionOutput(i, logprobs=[] if s.params.logprobs is not None else None)
                  for i, s in enumerate(seqs)] if multi else []
         for i, seq in enumerate(seqs):
@@ -228,7 +231,7 @@ class OutputProcessor:
             out.finish_reason = seq.finish_reason
             if seq.finish_reason == "stop":
                 matched = detok.stop_string if detok is not None else None
-                out.stop_reason = stop_reason(matched, out.token_ids, seq.stop_token_set)
+                out.stop_reason = stop_reason(matched, out.token_ids, req.stop_reason_ids)
             req.num_unfinished -= 1
         if detok is not None:
             out.new_text, out.text = delta, detok.text

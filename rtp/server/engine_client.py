@@ -195,7 +195,8 @@ class EngineClient:
         handle = self._next_handle
         self._next_handle = (self._next_handle + 1) & 0xFFFFFFFF
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._requests[handle] = (FrontendRequest(request_id, ids, params, self._decoder), stream, conn)
+        self._requests[handle] = (FrontendRequest(request_id, ids, params, self._decoder,
+                                                  self.info.stop_reason_ids(params)), stream, conn)
         self._handles[request_id] = handle
         conn.in_flight += 1
         conn.routed += 1

@@ -33,7 +33,7 @@ class FrontendRequest:
     """One request's outputs in a frontend, built from the engine's updates."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 decoder: TokenDecoder) -> None:
+                 decoder: TokenDecoder, stop_reason_ids: frozenset[int]) -> None:
         self.output = RequestOutput(request_id, None, list(prompt_token_ids), arrival_time=time.time(),
                                     logprobs=[] if params.logprobs is not None else None,
                                     prompt_logprobs=None)
@@ -46,7 +46,7 @@ class FrontendRequest:
         self.samples = [_Sample(comps[i] if self.multi else self.output,
                                 IncrementalDetokenizer(decoder, prompt_token_ids, params)) for i in range(params.n)]
         self.num_unfinished = params.n
-        self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        self.stop_reason_ids = stop_reason_ids  # ModelInfo.stop_reason_ids
         self.stopped_here = False
         """A stop string ended a sample here: the engine does not know, the request must be aborted there."""
 
@@ -89,7 +89,7 @@ class FrontendRequest:
                 delta += detok.flush()
             out.finish_reason = reason
             if reason == "stop":
-                out.stop_reason = stop_reason(detok.stop_string, out.token_ids, self.stop_token_ids)
+                out.stop_reason = stop_reason(detok.stop_string, out.token_ids, self.stop_reason_ids)
             smp.done = True
             self.num_unfinished -= 1
         out.new_text, out.text = delta, detok.text

@@ -94,8 +94,8 @@ FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 # ---- completions ----
 
 
-STOP_REASON = ("with finish_reason \"stop\": the stop string or stop token id that ended the choice; null for an "
-               "EOS token (and until the last chunk of a stream)")
+STOP_REASON = ("with finish_reason \"stop\": the stop string or stop token id (a generation config's EOS id too) "
+               "that ended the choice; null for the tokenizer's EOS token (and until the last chunk of a stream)")
 
 
 class PromptLogprob(_Doc):

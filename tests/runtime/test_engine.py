@@ -7,6 +7,7 @@ scheduler, sampler, detokenizer and engine together in milliseconds.
 
 from __future__ import annotations
 
+import json
 import shutil
 from types import SimpleNamespace
 
@@ -84,7 +85,7 @@ def run(engine: Engine) -> dict:
 def test_eos_ends_with_stop_and_is_kept_in_ids_not_text(model_dir):
     engine = make_engine(model_dir, {})
     hello = engine.tokenizer.encode("hello world", add_special_tokens=False)
-    eos = engine.eos_token_ids[0]
+    eos = engine.tokenizer.eos_token_id
     engine.runner.script = {7: hello + [eos, 1, 2]}
     rid = engine.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=20))
     out = run(engine)[rid]
@@ -170,6 +171,24 @@ def test_stop_reason_names_the_stop_string_or_token(model_dir):
     assert done[token].outputs[0].stop_reason == 42
     assert (done[length].finish_reason, done[length].stop_reason) == ("length", None)
     assert [c.stop_reason for c in done[multi].outputs] == [43, 43] and done[multi].stop_reason == 43
+
+
+def test_stop_reason_is_none_for_the_tokenizers_eos_alone(model_dir):
+    """vLLM checks the tokenizer's EOS first (stop_reason None, even where stop_token_ids name it) unless
+    ignore_eos; the generation config's other EOS ids are stop tokens (stop_reason their id) unless ignore_eos."""
+    engine = make_engine(model_dir, {})
+    eos = engine.tokenizer.eos_token_id
+    [other] = [t for t in json.loads((model_dir / GENERATION_CONFIG).read_text())["eos_token_id"] if t != eos]
+    engine.runner.script = {7: [40, eos, 41], 8: [40, other, 41, 42]}
+    want = {
+        engine.add_request([7], SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[eos])): ("stop", None),
+        engine.add_request([8], SamplingParams(temperature=0, max_tokens=9)): ("stop", other),
+        engine.add_request([7], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, stop_token_ids=[eos])):
+            ("stop", eos),
+        engine.add_request([8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)): ("length", None),
+    }
+    done = run(engine)
+    assert {rid: (done[rid].finish_reason, done[rid].stop_reason) for rid in want} == want
 
 
 def test_logprobs_align_with_tokens(model_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -9,6 +10,7 @@ from transformers import AutoTokenizer
 
 from rtp.outputs import Logprob
 from rtp.runtime.detokenizer import TokenDecoder
+from rtp.runtime.model_info import GENERATION_CONFIG, ModelInfo
 from rtp.sampling import SamplingParams
 from rtp.server.frontend_outputs import FrontendRequest
 from rtp.server.frontend_wire import (
@@ -87,6 +89,15 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_model_dir())
 
 
+@pytest.fixture(scope="module")
+def info(tokenizer):
+    return ModelInfo.load(default_model_dir(), len(tokenizer), 256)
+
+
+def _request(info: ModelInfo, prompt: list[int], params: SamplingParams) -> FrontendRequest:
+    return FrontendRequest("r", prompt, params, TokenDecoder(info.tokenizer), info.stop_reason_ids(params))
+
+
 def _feed(req: FrontendRequest, tokens: list[int], reason_last: str | None, per_step: int = 1) -> str:
     streamed = ""
     for i in range(0, len(tokens), per_step):
@@ -99,24 +110,24 @@ def _feed(req: FrontendRequest, tokens: list[int], reason_last: str | None, per_
     return streamed
 
 
-def test_frontend_text_equals_one_shot_decode(tokenizer):
+def test_frontend_text_equals_one_shot_decode(tokenizer, info):
     text = "Once upon a time, in a land far away, there lived a fox. 你好世界 naïve café 😀"
     ids = tokenizer.encode(text, add_special_tokens=False)
     prompt = tokenizer.encode("Story:", add_special_tokens=False)
     for per_step in (1, 3):
-        req = FrontendRequest("r", prompt, SamplingParams(max_tokens=len(ids)), TokenDecoder(tokenizer))
+        req = _request(info, prompt, SamplingParams(max_tokens=len(ids)))
         streamed = _feed(req, ids, "length", per_step)
         assert req.finished and req.output.finish_reason == "length"
         assert streamed == req.output.text == tokenizer.decode(ids)
         assert req.output.token_ids == ids
 
 
-def test_frontend_stop_string_cuts_the_text_and_asks_for_an_abort(tokenizer):
+def test_frontend_stop_string_cuts_the_text_and_asks_for_an_abort(tokenizer, info):
     text = "The fox ran home. THE END and more text after it"
     ids = tokenizer.encode(text, add_special_tokens=False)
     kept = None
     for per_step in (1, 4):  # several tokens per step (speculative decoding): the same output as one by one
-        req = FrontendRequest("r", [1], SamplingParams(stop="THE END", max_tokens=100), TokenDecoder(tokenizer))
+        req = _request(info, [1], SamplingParams(stop="THE END", max_tokens=100))
         streamed = _feed(req, ids, None, per_step)
         assert req.finished and req.output.finish_reason == "stop" and req.stopped_here
         assert streamed == req.output.text == text[: text.index("THE END")]
@@ -125,10 +136,24 @@ def test_frontend_stop_string_cuts_the_text_and_asks_for_an_abort(tokenizer):
         assert "THE END" in tokenizer.decode(kept) and "THE END" not in tokenizer.decode(kept[:-1])
 
 
-def test_engine_stop_token_stays_out_of_the_text(tokenizer):
+def test_engine_stop_token_stays_out_of_the_text(tokenizer, info):
     ids = tokenizer.encode("Hello there", add_special_tokens=False)
     eos = tokenizer.eos_token_id
-    req = FrontendRequest("r", [1], SamplingParams(skip_special_tokens=False), TokenDecoder(tokenizer))
+    req = _request(info, [1], SamplingParams(skip_special_tokens=False))
     _feed(req, ids + [eos], "stop")
     assert req.output.text == tokenizer.decode(ids) and req.output.token_ids == ids + [eos]
     assert not req.stopped_here  # the engine ended it: nothing to abort
+
+
+def test_frontend_stop_reason_is_none_for_the_tokenizers_eos_alone(tokenizer, info):
+    """As vLLM's: the tokenizer's EOS is checked first (stop_reason None, even where stop_token_ids name it)
+    unless ignore_eos; the generation config's other EOS ids are stop tokens (stop_reason their id)."""
+    eos = tokenizer.eos_token_id
+    [other] = [t for t in json.loads((default_model_dir() / GENERATION_CONFIG).read_text())["eos_token_id"]
+               if t != eos]
+    for last, params, want in ((eos, SamplingParams(stop_token_ids=[eos]), None),
+                               (other, SamplingParams(), other),
+                               (eos, SamplingParams(ignore_eos=True, stop_token_ids=[eos]), eos)):
+        req = _request(info, [1], params)
+        _feed(req, [40, last], "stop")
+        assert (req.output.finish_reason, req.output.stop_reason) == ("stop", want), params
