@@ -72,6 +72,17 @@ GFLOP/s), 8 prompts of 36-109 1.50x, the 40M's heads (64) 1.32-1.35x; that promp
 registers with the numerators written in the same pass (``softmax_tile``), the 2000-token prompt 1.23x bf16,
 1.15x fp32 per call, its ``generate()`` 1.056x bf16 (2.62 -> 2.48 s), 1.034x fp32.
 
+A task's last rows take a tile of 4 or 2 rows instead of a whole one padded with zero queries, so that a
+decode row (one query: its ``rep`` query heads of a KV head) pays for 2 rows, not 8 (AVX2: 4). A row goes
+through the same operations whatever its tile's height, which ``model.batch_invariant`` relies on. The values
+are read in place from the cache (widened to fp32 as they load) instead of copied 64 at a time. Both against
+the kernel before them, alternated in one process over 28 layers with the caches flushed, on a 2-core Zen 3
+(AVX2: 4-row tiles before): decode rows of 8 sequences of 60-160 keys at Qwen3-0.6B's heads 1.15x fp32 /
+1.40x bf16, of the 40M's 24 sequences 1.19x / 1.37x; 8 prompts of 36-109 1.08x / 1.05x; one of 2000 1.00x /
+1.10x; a 512-token chunk beside 16 decode rows 1.06x / 1.01x; the outputs bit for bit the same. Such decode
+rows still take 1.7x (fp32) and 2.3x (bf16) the decode kernel's time, the keys' transposed copy a quarter of
+it (``perf``). The AVX-512 builds of this change were compiled, not measured.
+
 The source is compiled on first use by :func:`rtp.kernels.cpu_build.build` (about 30-60 s,
 cached). Without a C++ compiler, or if the build fails, :func:`load` returns None and the
 runtime keeps the torch path.
@@ -444,59 +455,61 @@ constexpr int PR = 4;
 constexpr int NT = 2;
 constexpr int64_t KB = 64, TW = NT * VW;
 
-// s_r[0, TW) = q_r . k_j for PR rows (q_r = q + r * D, s_r = s + r * KB; k_j = column j of kt [D][KB]).
+// s_r[0, TW) = q_r . k_j for R rows (q_r = q + r * D, s_r = s + r * KB; k_j = column j of kt [D][KB]).
+template <int R>
 static inline void scores_tile(const float* q, int64_t D, const float* kt, float* s) {
-  vf a[PR][NT] = {};
+  vf a[R][NT] = {};
   for (int64_t d = 0; d < D; ++d) {
     vf k[NT];
     for (int u = 0; u < NT; ++u) k[u] = loadv(kt + d * KB + u * VW);
-    for (int r = 0; r < PR; ++r) {
+    for (int r = 0; r < R; ++r) {
       const float qv = q[r * D + d];
       for (int u = 0; u < NT; ++u) a[r][u] += qv * k[u];
     }
   }
-  for (int r = 0; r < PR; ++r)
+  for (int r = 0; r < R; ++r)
     for (int u = 0; u < NT; ++u) storev(s + r * KB + u * VW, a[r][u]);
 }
 
-// acc_r[d, d + NV VW) = acc_r * corr[r] + sum_{j < n} p_r[j] v_j there, for PR rows (acc_r = acc + r * D,
-// p_r = p + r * KB, v_j = v + j * D).
-template <int NV>
-static inline void pv_cols(float* acc, const float* corr, const float* p, const float* v, int64_t n, int64_t D,
-                           int64_t d) {
-  vf a[PR][NV];
-  for (int r = 0; r < PR; ++r)
+// acc_r[d, d + NV VW) = acc_r * corr[r] + sum_{j < n} p_r[j] v_j there, for R rows (acc_r = acc + r * D,
+// p_r = p + r * KB), the values v_j = v + off[j] read in place from the cache (widened to fp32 as they load).
+template <int R, int NV, typename T>
+static inline void pv_cols(float* acc, const float* corr, const float* p, const T* v, const int64_t* off, int64_t n,
+                           int64_t D, int64_t d) {
+  vf a[R][NV];
+  for (int r = 0; r < R; ++r)
     for (int u = 0; u < NV; ++u) a[r][u] = loadv(acc + r * D + d + u * VW) * corr[r];
   for (int64_t j = 0; j < n; ++j) {
     vf x[NV];
-    for (int u = 0; u < NV; ++u) x[u] = loadv(v + j * D + d + u * VW);
-    for (int r = 0; r < PR; ++r) {
+    for (int u = 0; u < NV; ++u) x[u] = loadv(v + off[j] + d + u * VW);
+    for (int r = 0; r < R; ++r) {
       const float pj = p[r * KB + j];
       for (int u = 0; u < NV; ++u) a[r][u] += pj * x[u];
     }
   }
-  for (int r = 0; r < PR; ++r)
+  for (int r = 0; r < R; ++r)
     for (int u = 0; u < NV; ++u) storev(acc + r * D + d + u * VW, a[r][u]);
 }
 
 // The same over all of [0, D): TW outputs of every row at a time, then one register, then one by one.
-static inline void pv_tile(float* acc, const float* corr, const float* p, const float* v, int64_t n, int64_t D) {
+template <int R, typename T>
+static inline void pv_tile(float* acc, const float* corr, const float* p, const T* v, const int64_t* off, int64_t n,
+                           int64_t D) {
   int64_t d = 0;
-  for (; d + TW <= D; d += TW) pv_cols<NT>(acc, corr, p, v, n, D, d);
-  for (; d + VW <= D; d += VW) pv_cols<1>(acc, corr, p, v, n, D, d);
-  for (int r = 0; r < PR; ++r)
+  for (; d + TW <= D; d += TW) pv_cols<R, NT>(acc, corr, p, v, off, n, D, d);
+  for (; d + VW <= D; d += VW) pv_cols<R, 1>(acc, corr, p, v, off, n, D, d);
+  for (int r = 0; r < R; ++r)
     for (int64_t e = d; e < D; ++e) {
       float a = acc[r * D + e] * corr[r];
-      for (int64_t j = 0; j < n; ++j) a += p[r * KB + j] * v[j * D + e];
+      for (int64_t j = 0; j < n; ++j) a += p[r * KB + j] * static_cast<float>(v[off[j] + e]);
       acc[r * D + e] = a;
     }
 }
 
-// Keys and values j < n (at cache offsets off[j]) as fp32: the keys transposed into kt [D][KB] (zeros past n up to
-// whole tiles), the values as rows of vc [KB][D].
+// Keys j < n (at cache offsets off[j]) as fp32, transposed into kt [D][KB] (zeros past n up to whole tiles). The
+// values need no copy: pv_tile reads them in place.
 template <typename T>
-static inline void gather_floats(const T* kc, const T* vc, const int64_t* off, int64_t n, int64_t D, float* kt,
-                                 float* vr) {
+static inline void gather_keys(const T* kc, const int64_t* off, int64_t n, int64_t D, float* kt) {
   const int64_t n_tiles = (n + TW - 1) / TW * TW;
   int64_t j = 0;
 #ifdef RTP_HSUM8X8
@@ -515,8 +528,6 @@ static inline void gather_floats(const T* kc, const T* vc, const int64_t* off, i
   for (; j < n; ++j)
     for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = static_cast<float>(kc[off[j] + d]);
   for (int64_t d = 0; d < D; ++d) std::fill(kt + d * KB + n, kt + d * KB + n_tiles, 0.f);
-  for (j = 0; j < n; ++j)
-    for (int64_t d = 0; d < D; ++d) vr[j * D + d] = static_cast<float>(vc[off[j] + d]);
 }
 
 #if defined(__AVX512BF16__) && defined(RTP_HSUM8X8)
@@ -556,20 +567,21 @@ static inline void gather_pairs(const at::BFloat16* kc, const at::BFloat16* vc, 
 }
 
 // scores_tile in pairs: s_r[0, TW) = scale * q_r . k_j (q_r = q + r * D2 words, D2 = D / 2; kt as above).
+template <int R>
 static inline void scores_pairs(const uint32_t* q, int64_t D2, const uint32_t* kt, float* s, float scale) {
-  __m512 a[PR][NT];
-  for (int r = 0; r < PR; ++r)
+  __m512 a[R][NT];
+  for (int r = 0; r < R; ++r)
     for (int u = 0; u < NT; ++u) a[r][u] = _mm512_setzero_ps();
   for (int64_t i = 0; i < D2; ++i) {
     __m512bh k[NT];
     for (int u = 0; u < NT; ++u) k[u] = (__m512bh)_mm512_loadu_si512(kt + i * KB + u * VW);
-    for (int r = 0; r < PR; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512bh x = pair_bcast(q[r * D2 + i]);
       for (int u = 0; u < NT; ++u) a[r][u] = _mm512_dpbf16_ps(a[r][u], x, k[u]);
     }
   }
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int r = 0; r < PR; ++r)
+  for (int r = 0; r < R; ++r)
     for (int u = 0; u < NT; ++u) _mm512_storeu_ps(s + r * KB + u * VW, _mm512_mul_ps(a[r][u], sc));
 }
 
@@ -581,22 +593,23 @@ static inline void store_bf16(uint32_t* p, vf e) {
 
 // pv_tile in pairs: acc_r[0, D) = acc_r * corr[r] + sum_{j < n} p_r[j] v_j (p as softmax_tile leaves it,
 // vp as gather_pairs does), D a multiple of TW.
+template <int R>
 static inline void pv_pairs(float* acc, const float* corr, const uint32_t* p, const uint32_t* vp, int64_t n,
                             int64_t D) {
   for (int64_t d = 0; d < D; d += TW) {
-    __m512 a[PR][NT];
-    for (int r = 0; r < PR; ++r)
+    __m512 a[R][NT];
+    for (int r = 0; r < R; ++r)
       for (int u = 0; u < NT; ++u)
         a[r][u] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d + u * VW), _mm512_set1_ps(corr[r]));
     for (int64_t m = 0; 2 * m < n; ++m) {
       __m512bh x[NT];
       for (int u = 0; u < NT; ++u) x[u] = (__m512bh)_mm512_loadu_si512(vp + m * D + d + u * VW);
-      for (int r = 0; r < PR; ++r) {
+      for (int r = 0; r < R; ++r) {
         const __m512bh w = pair_bcast(p[r * KB / 2 + m]);
         for (int u = 0; u < NT; ++u) a[r][u] = _mm512_dpbf16_ps(a[r][u], w, x[u]);
       }
     }
-    for (int r = 0; r < PR; ++r)
+    for (int r = 0; r < R; ++r)
       for (int u = 0; u < NT; ++u) _mm512_storeu_ps(acc + r * D + d + u * VW, a[r][u]);
   }
 }
@@ -606,12 +619,13 @@ constexpr bool PAIR_TILES = true;
 constexpr bool PAIR_TILES = false;
 static inline void gather_pairs(const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t, int64_t, uint32_t*,
                                 uint32_t*) {}
-static inline void scores_pairs(const uint32_t*, int64_t, const uint32_t*, float*, float) {}
+template <int R> static inline void scores_pairs(const uint32_t*, int64_t, const uint32_t*, float*, float) {}
 static inline void store_bf16(uint32_t*, vf) {}
+template <int R>
 static inline void pv_pairs(float*, const float*, const uint32_t*, const uint32_t*, int64_t, int64_t) {}
 #endif
 
-// The online softmax of a tile's PR rows over nt scored keys (s_r[0, nt), s_r = s + r * KB), row r seeing the
+// The online softmax of a tile's R rows over nt scored keys (s_r[0, nt), s_r = s + r * KB), row r seeing the
 // first visible[r] of them (none where <= 0): the numerators exp(s_r - m_r') (zeros past visible[r]) go to s_r,
 // or with ``p`` (pair tiles) as bf16 to p_r (KB / 2 words a row, see pv_pairs); m_r' = max(m_r, its visible
 // scores); l_r = l_r corr_r + their sum (in fp32), corr_r = exp(m_r - m_r') (1 where m_r stays, 0 on a row's
@@ -624,14 +638,15 @@ static inline void pv_pairs(float*, const float*, const uint32_t*, const uint32_
 // converted in a pass of their own); now 22.4. Alternated against that on a 2-core Zen 5: the 2000-token prompt
 // 1.23-1.24x bf16 / 1.14-1.15x fp32 per call, 8 prompts of 36-109 1.20x / 1.10-1.17x, the 40M's heads (64)
 // 1.40-1.44x / 1.23-1.26x.
-static_assert(PR == 8, "one v8f lane per row");
+static_assert(PR <= 8, "one v8f lane per row");
 static inline __mmask16 first_lanes(int64_t k) {
   return k >= VW ? static_cast<__mmask16>(0xFFFF) : k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1);
 }
+template <int R>
 static inline void softmax_tile(float* s, int64_t nt, const int64_t* visible, float* m, float* l, float* corr,
                                 uint32_t* p) {
-  v8f m_new, sums;
-  for (int r = 0; r < PR; ++r) {
+  v8f m_new = {}, sums = {}, m_old = {}, l_old = {};  // a lane per row (lanes past R unused)
+  for (int r = 0; r < R; ++r) {
     float* sr = s + r * KB;
     __m512 mx = _mm512_set1_ps(m[r]);
     for (int64_t j = 0; j < visible[r]; j += VW)
@@ -648,11 +663,11 @@ static inline void softmax_tile(float* s, int64_t nt, const int64_t* visible, fl
     }
     sums[r] = _mm512_reduce_add_ps(sum);
   }
-  const v8f m_old = load8(m), one = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+  for (int r = 0; r < R; ++r) m_old[r] = m[r], l_old[r] = l[r];
+  const v8f one = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
   const v8f c = m_old == m_new ? one : exp8(m_old - m_new);
-  store8(corr, c);
-  store8(l, load8(l) * c + sums);
-  store8(m, m_new);
+  const v8f l_new = l_old * c + sums;
+  for (int r = 0; r < R; ++r) corr[r] = c[r], l[r] = l_new[r], m[r] = m_new[r];
 }
 #else
 // The largest of s[0, n), n >= 1.
@@ -671,9 +686,10 @@ static inline float max_n(const float* s, int64_t n) {
   return mx;
 }
 
+template <int R>
 static inline void softmax_tile(float* s, int64_t nt, const int64_t* visible, float* m, float* l, float* corr,
                                 uint32_t*) {  // no pair tiles here
-  for (int r = 0; r < PR; ++r) {
+  for (int r = 0; r < R; ++r) {
     float* sr = s + r * KB;
     if (visible[r] <= 0) {
       std::fill(sr, sr + nt, 0.f);
@@ -697,8 +713,8 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
   // q, out: [T, Hq, D] contiguous; sequence b's q_len = cu_q[b+1] - cu_q[b] queries sit at the end of
   // its k_lens[b] cached keys (positions k_len - q_len ..), causal. One task per (sequence, KV head,
   // chunk of QC queries): an online softmax over the keys, KB at a time, in fp32. Every task gathers the
-  // keys it sees into kt and vc; chunks of 128 queries (256 rows at GQA 2:1) share each gather among more
-  // rows than chunks of 32 (see the numbers at the task queue below).
+  // keys it sees into kt (the values are read in place); chunks of 128 queries (256 rows at GQA 2:1) share
+  // each gather among more rows than chunks of 32 (see the numbers at the task queue below).
   constexpr int64_t QC = 128;
   const PagedCache<T> cache(k_cache, v_cache, block_tables);
   const int64_t B = k_lens.size(0), Hq = q.size(1), D = q.size(2);
@@ -727,14 +743,14 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return chunk_end(x) > chunk_end(y); });
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    // Rows padded to whole tiles (padding rows: zero queries, never written out).
+    // Rows padded to pairs (padding row: a zero query, never written out), in tiles of PR rows, then 4, then 2.
     const int64_t rows_max = (QC * rep + PR - 1) / PR * PR;
     std::vector<float> acc(rows_max * D), m(rows_max), l(rows_max), corr(rows_max), s(rows_max * KB);
     std::vector<int64_t> pos(rows_max), off(KB);  // off: the gathered keys' (and values') cache offsets
-    // The copies one tile kind reads: fp32 queries (scaled), keys and values (gather_floats), or the pair tiles'
-    // queries as words (unscaled), keys, values (gather_pairs) and numerators.
+    // The copies one tile kind reads: fp32 queries (scaled) and keys (gather_keys), or the pair tiles' queries as
+    // words (unscaled), keys, values (gather_pairs) and numerators.
     const bool pairs = PAIR_TILES && std::is_same_v<T, at::BFloat16> && D % TW == 0;
-    std::vector<float> qf(pairs ? 0 : rows_max * D), kt(pairs ? 0 : D * KB), vc(pairs ? 0 : KB * D);
+    std::vector<float> qf(pairs ? 0 : rows_max * D), kt(pairs ? 0 : D * KB);
     std::vector<uint32_t> q2(pairs ? rows_max * D / 2 : 0), ktp(pairs ? D / 2 * KB : 0), vp(pairs ? KB / 2 * D : 0),
         pw(pairs ? PR * KB / 2 : 0);
     for (int64_t task; (task = next_task.fetch_add(1)) < num_tasks;) {
@@ -742,7 +758,7 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
       const int64_t qn = std::min<int64_t>(QC, cu[b + 1] - q0);
       const int64_t k_len = lens[b], first_pos = k_len - (cu[b + 1] - cu[b]);  // position of query cu[b]
       // Row i: query i / rep, head h * rep + i % rep.
-      const int64_t rows = qn * rep, rows_pad = (rows + PR - 1) / PR * PR;
+      const int64_t rows = qn * rep, rows_pad = (rows + 1) / 2 * 2;
       for (int64_t i = 0; i < rows; ++i) {
         const T* src = qp + ((q0 + i / rep) * Hq + h * rep + i % rep) * D;
         if (pairs) {
@@ -760,34 +776,38 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
       std::fill(l.begin(), l.begin() + rows_pad, 0.f);
       const int64_t last_pos = pos[rows - 1];  // the task's last query sees keys <= it
       for (int64_t tk = 0; tk <= last_pos; tk += KB) {
-        // Keys tk .. tk + n - 1, gathered from their blocks (gather_floats, gather_pairs).
+        // Keys tk .. tk + n - 1, gathered from their blocks (gather_keys, gather_pairs).
         const int64_t n = std::min(KB, last_pos + 1 - tk);
         for (int64_t j = 0; j < n; ++j) off[j] = cache.offset(b, tk + j, h);
         if (pairs)
           gather_pairs(reinterpret_cast<const at::BFloat16*>(cache.k), reinterpret_cast<const at::BFloat16*>(cache.v),
                        off.data(), n, D, ktp.data(), vp.data());
         else
-          gather_floats(cache.k, cache.v, off.data(), n, D, kt.data(), vc.data());
-        // Rows before the first that sees key tk see none of these (positions ascend with the row).
-        int64_t r0 = 0;
-        while (pos[r0] < tk) ++r0;
-        for (r0 = r0 / PR * PR; r0 < rows_pad; r0 += PR) {
+          gather_keys(cache.k, off.data(), n, D, kt.data());
+        // The R rows from r0 against these keys. Every row takes the same operations in every tile height, so
+        // a row's output does not depend on the rows beside it (see model.batch_invariant).
+        auto tile = [&](auto height, int64_t r0) {
+          constexpr int R = decltype(height)::value;
+          if (pos[r0 + R - 1] < tk) return;  // none of its rows sees these keys (positions ascend with the row)
           // The tile's rows see the first nt of these keys at most (fewer on the diagonal).
-          const int64_t nt = std::min(n, pos[r0 + PR - 1] + 1 - tk);
+          const int64_t nt = std::min(n, pos[r0 + R - 1] + 1 - tk);
           float* st0 = s.data() + r0 * KB;
           for (int64_t j = 0; j < nt; j += TW) {
-            if (pairs) scores_pairs(q2.data() + r0 * D / 2, D / 2, ktp.data() + j, st0 + j, fscale);
-            else scores_tile(qf.data() + r0 * D, D, kt.data() + j, st0 + j);
+            if (pairs) scores_pairs<R>(q2.data() + r0 * D / 2, D / 2, ktp.data() + j, st0 + j, fscale);
+            else scores_tile<R>(qf.data() + r0 * D, D, kt.data() + j, st0 + j);
           }
-          int64_t visible[PR];  // keys past a row's position count as exp(-inf) = 0
-          for (int r = 0; r < PR; ++r) visible[r] = std::min(nt, pos[r0 + r] + 1 - tk);
-          softmax_tile(st0, nt, visible, m.data() + r0, l.data() + r0, corr.data() + r0, pairs ? pw.data() : nullptr);
-          if (pairs) {
-            pv_pairs(acc.data() + r0 * D, corr.data() + r0, pw.data(), vp.data(), nt, D);
-          } else {
-            pv_tile(acc.data() + r0 * D, corr.data() + r0, st0, vc.data(), nt, D);
-          }
-        }
+          int64_t visible[R];  // keys past a row's position count as exp(-inf) = 0
+          for (int r = 0; r < R; ++r) visible[r] = std::min(nt, pos[r0 + r] + 1 - tk);
+          softmax_tile<R>(st0, nt, visible, m.data() + r0, l.data() + r0, corr.data() + r0,
+                          pairs ? pw.data() : nullptr);
+          if (pairs) pv_pairs<R>(acc.data() + r0 * D, corr.data() + r0, pw.data(), vp.data(), nt, D);
+          else pv_tile<R>(acc.data() + r0 * D, corr.data() + r0, st0, cache.v, off.data(), nt, D);
+        };
+        int64_t r0 = 0;
+        for (; r0 + PR <= rows_pad; r0 += PR) tile(std::integral_constant<int, PR>{}, r0);
+        if constexpr (PR > 4)
+          if (r0 + 4 <= rows_pad) tile(std::integral_constant<int, 4>{}, r0), r0 += 4;
+        if (r0 < rows_pad) tile(std::integral_constant<int, 2>{}, r0);
       }
       for (int64_t i = 0; i < rows; ++i) {
         T* dst = op + ((q0 + i / rep) * Hq + h * rep + i % rep) * D;
