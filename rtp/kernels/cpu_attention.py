@@ -441,12 +441,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
-// Prompt attention works on tiles: a task's query rows against KB keys at a time, gathered from their
-// blocks into fp32 copies, the keys transposed (kt [D][KB]) so that PR rows x TW keys of scores are
-// vector sums over D with one broadcast of q per row and d (no horizontal sums), the values as rows
-// (vc [KB][D]) summed into PR rows x TW outputs held in registers. Per row and KB keys, the online
-// softmax costs one max, the exponentials and one rescale. PR rows: as many as the registers hold; TW: two
-// whole registers (32 floats with AVX-512, 16 otherwise), so that each broadcast feeds two FMAs.
+// Prompt attention works on tiles: a task's query rows against KB keys at a time, the keys gathered from their
+// blocks into a transposed fp32 copy (kt [D][KB]) so that R rows x TW keys of scores are vector sums over D with
+// one broadcast of q per row and d (no horizontal sums), the values read in place (one row of D each) and summed
+// into R rows x TW outputs held in registers. Per row and KB keys, the online softmax costs one max, the
+// exponentials and one rescale. R rows: PR, as many as the registers hold, then 4 or 2 for a task's last rows;
+// TW: two whole registers (32 floats with AVX-512, 16 otherwise), so that each broadcast feeds two FMAs.
 #if defined(__AVX512F__)
 constexpr int PR = 8;
 #else

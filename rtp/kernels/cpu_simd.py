@@ -68,10 +68,16 @@ static inline void store8(at::BFloat16* p, v8f v) {
   for (int j = 0; j < 8; ++j) h[j] = static_cast<uint16_t>(u[j]);
   std::memcpy(p, h, sizeof h);
 }
+#if defined(__F16C__)
+#include <immintrin.h>
+// fp16 widened by vcvtph2ps (exact, as the lane-by-lane conversion below).
+static inline v8f load8(const at::Half* p) { return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#else
 static inline v8f load8(const at::Half* p) {
   float f[8]; for (int j = 0; j < 8; ++j) f[j] = static_cast<float>(p[j]);
   return load8(f);
 }
+#endif
 static inline void store8(at::Half* p, v8f v) {
   float f[8]; std::memcpy(f, &v, sizeof f);
   for (int j = 0; j < 8; ++j) p[j] = at::Half(f[j]);
@@ -82,8 +88,8 @@ template <typename T> static inline v8f load8(const T* p) {
   return load8(f);
 }
 
-// Whole vector registers of floats: VW lanes (16 with AVX-512, else 8: a v8f), loaded from fp32 or bf16 (bf16
-// widened by a 16-bit shift; any other type lane by lane) and stored as fp32.
+// Whole vector registers of floats: VW lanes (16 with AVX-512, else 8: a v8f), loaded from fp32, bf16 (widened by
+// a 16-bit shift) or fp16 (any other type lane by lane) and stored as fp32.
 #if defined(__AVX512F__)
 #include <immintrin.h>
 constexpr int VW = 16;
@@ -91,6 +97,7 @@ typedef float vf __attribute__((vector_size(64)));
 static inline vf loadv(const at::BFloat16* p) {
   return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
 }
+static inline vf loadv(const at::Half* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 // exp8's steps over a whole register, 2^n applied by vscalefps: 0 below the float range, +inf above it (x is
 // clamped to [-104, 100] first, a NaN kept).
 static inline vf expv(vf xv) {
@@ -111,6 +118,7 @@ static inline vf expv(vf xv) {
 constexpr int VW = 8;
 typedef v8f vf;
 static inline vf loadv(const at::BFloat16* p) { return load8(p); }
+static inline vf loadv(const at::Half* p) { return load8(p); }
 static inline vf expv(vf x) { return exp8(x); }
 #endif
 static inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
