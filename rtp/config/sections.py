@@ -92,7 +92,8 @@ class ModelConfig(Section):
     (greedy and seeded sampling alike, bfloat16 included): every attention row takes the varlen kernel, whose rows
     read their keys in blocks fixed by position, and every linear rtp's panel GEMM, whose rows sum in one order
     (as vLLM's batch-invariant mode). CPU, float32 or bfloat16 weights (no int8); decode steps took 1.19x (fp32)
-    and 1.12-1.26x (bf16) as long at Qwen3-0.6B's dimensions with 8 requests."""
+    and 1.12-1.26x (bf16) as long at Qwen3-0.6B's dimensions with 8 requests (on an AVX-512 host, before the
+    varlen kernel took decode rows in 2-row tiles)."""
     generation_config: str = setting("auto", choice("auto", "none"))
     """"auto": the checkpoint's generation_config.json sampling settings (temperature, top_p, top_k, min_p,
     repetition_penalty, max_new_tokens as max_tokens) become the defaults of requests that leave them unset,
