@@ -109,6 +109,18 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = Field(default=None, description="any JSON object")
 
 
+def _one_error(field: str, code: str, message: str) -> Any:  # noqa: ANN401
+    """A wrap validator of ``field`` that answers one error, ``message``, instead of one per member of its union."""
+
+    def check(cls: type, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:  # noqa: ANN401
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError(code, message) from None
+
+    return field_validator(field, mode="wrap")(classmethod(check))
+
+
 class CommonRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -148,24 +160,9 @@ class CommonRequest(_Strict):
     guided_grammar: str | None = Field(default=None, description="an EBNF grammar (xgrammar's dialect)")
     structured_outputs: StructuredOutputs | None = None
 
-    @field_validator("stop", mode="wrap")
-    @classmethod
-    def _stop_strings(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:  # noqa: ANN401
-        """One error that says what stop may be, instead of one per member of the union."""
-        try:
-            return handler(value)
-        except ValidationError:
-            raise PydanticCustomError("stop_type", "must be a string or a list of non-empty strings") from None
-
-    @field_validator("truncate_prompt_tokens", mode="wrap")
-    @classmethod
-    def _truncate(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:  # noqa: ANN401
-        """One error that says what truncate_prompt_tokens may be, instead of one per member of the union."""
-        try:
-            return handler(value)
-        except ValidationError:
-            raise PydanticCustomError("truncate_type", "must be a positive integer or -1 (the model's context)"
-                                      ) from None
+    _stop_strings = _one_error("stop", "stop_type", "must be a string or a list of non-empty strings")
+    _truncate = _one_error("truncate_prompt_tokens", "truncate_type",
+                           "must be a positive integer or -1 (the model's context)")
 
     def check_supported(self) -> None:
         """Raise ApiError(400) for what the field types cannot say (combinations of fields)."""
