@@ -89,7 +89,7 @@ template <typename T> static inline v8f load8(const T* p) {
 }
 
 // Whole vector registers of floats: VW lanes (16 with AVX-512, else 8: a v8f), loaded from fp32, bf16 (widened by
-// a 16-bit shift) or fp16 (any other type lane by lane) and stored as fp32.
+// a 16-bit shift), fp16 (vcvtph2ps where the CPU has it) or any other type (lane by lane), and stored as fp32.
 #if defined(__AVX512F__)
 #include <immintrin.h>
 constexpr int VW = 16;
