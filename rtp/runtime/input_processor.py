@@ -15,9 +15,14 @@ from rtp.sampling import SamplingParams
 
 def truncate_prompt(ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
     """The prompt ``ids`` as SamplingParams.truncate_prompt_tokens ``truncate`` leaves it: its last ``truncate``
-    tokens, its last ``max_model_len`` for -1 (vLLM's "truncate to the model's context"), all of them for None."""
+    tokens, its last ``max_model_len`` for -1 (vLLM's "truncate to the model's context"), all of them for None.
+    A ``truncate`` past the context is refused, as vLLM does: no prompt that long could be served."""
     if truncate is None:
         return ids
+    if truncate > max_model_len:
+        raise RequestError(f"SamplingParams.truncate_prompt_tokens={truncate} is invalid: it is larger than the "
+                           f"model's context (max_model_len={max_model_len}); give at most {max_model_len}, or -1 "
+                           "for the whole context")
     return ids[-(max_model_len if truncate == -1 else truncate):]
 
 

@@ -139,6 +139,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(model_dir):
     for bad in (0, -2, 1.5):
         with pytest.raises(RequestError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(RequestError, match=f"larger than the model's context .max_model_len={engine.max_model_len}"):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, truncate_prompt_tokens=engine.max_model_len + 1))
+    assert truncate_prompt([1, 2], engine.max_model_len, engine.max_model_len) == [1, 2]  # the whole context is fine
 
 
 def test_detokenize_false_gives_token_ids_only(model_dir):

@@ -290,7 +290,7 @@ def test_truncate_prompt_tokens_keeps_the_end_before_max_tokens_is_fitted(served
         choice = r.json()["choices"][0]
         assert len(kept) == 3 and choice["text"] == tokenizer.decode(kept) + expected_text(tokenizer, 2)
         assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
-    for bad in (0, -2):  # vLLM's bounds: a positive k, or -1
+    for bad in (0, -2, MAX_MODEL_LEN + 1):  # vLLM's bounds: a positive k up to the context, or -1
         r = client.post("/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
