@@ -33,12 +33,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
 
 from rtp.distributed.parallel import ParallelState
 from rtp.errors import ConfigError
@@ -46,6 +45,9 @@ from rtp.kernels import cpu_gemm
 from rtp.model.attention import AttnMetadata, PagedAttention
 from rtp.model.linear import ColumnParallelLinear, cpu_linear_method, pack_linear_weights
 from rtp.model.ops import RMSNorm, RotaryEmbedding, SiluAndMul, rope_inv_freq
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 _KEY = "speculative_config.model"
 SPECFORGE_ARCH = "LlamaForCausalLMEagle3"
@@ -102,6 +104,10 @@ class HeadSpec:
         aux = eagle.get("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"))
         try:
             known = {k: v for k, v in layer.items() if k not in ("architectures", "eagle_config")}
+            # Imported here, not with this module: every rank imports it, and LlamaConfig pulls in
+            # transformers' model-loading stack (about a second of each rank's start-up).
+            from transformers import LlamaConfig
+
             llama = LlamaConfig(**known)
             hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
             vocab = int(layer["vocab_size"])

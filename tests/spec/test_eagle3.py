@@ -277,3 +277,15 @@ def test_feature_buffer_appends_replaces_overlaps_and_drops() -> None:
     assert buf.put(27, rows[:1]) and buf.rows().shape[0] == 8
     buf.drop_before(100)
     assert buf.first == 28 and buf.rows().shape[0] == 0
+
+
+def test_a_ranks_start_up_does_not_import_the_heads_llama_config():
+    """Every rank imports the EAGLE-3 module; transformers' LlamaConfig (and the model-loading stack it pulls
+    in, about a second of start-up per rank) is imported only once a head is read."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rtp.runtime.startup; "
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.models.llama')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
