@@ -12,7 +12,7 @@ from tests.utils import HAS_CXX
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build rtp's C++ CPU kernels once, before any multi-process test runs.
 
-    On a fresh machine the first rank to need a kernel compiles it (30-60 s each on two cores) while
+    On a fresh machine the first rank to need a kernel compiles it (15-20 s each on two cores) while
     the other ranks wait on the build lock: inside a multi-rank test that eats the test's own
     timeout. Built here, every later process finds them in the extension cache.
     """

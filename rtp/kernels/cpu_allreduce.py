@@ -30,7 +30,6 @@ WAIT_FREE, WAIT_PEERS, DONE = 0, 1, 2
 DTYPES = (torch.float32, torch.bfloat16)
 
 _SOURCE = SIMD_HEADER + r"""
-#include <torch/extension.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 static inline void relax() { _mm_pause(); }
@@ -68,7 +67,7 @@ static void sum_slots(T* out, const char* slots, int64_t world, int64_t slot_byt
 // Elements [start, start + n) of the contiguous `flat` as collective number `op`, from `stage` on
 // (0: wait until the op's buffer is free, copy in, post; 1: wait for every rank's post, sum).
 // Returns the stage where a peer was later than `spins` pauses, or 2 when the piece is reduced.
-int64_t all_reduce_piece(torch::Tensor flat, int64_t start, int64_t n, torch::Tensor segment, int64_t rank,
+int64_t all_reduce_piece(at::Tensor flat, int64_t start, int64_t n, at::Tensor segment, int64_t rank,
                          int64_t world, int64_t slot_bytes, int64_t op, int64_t stage, int64_t spins) {
   const int64_t es = flat.element_size();
   TORCH_CHECK(flat.is_contiguous() && n * es <= slot_bytes && start + n <= flat.numel(), "all_reduce_piece: bad piece");

@@ -83,7 +83,7 @@ the kernel before them, alternated in one process over 28 layers with the caches
 rows still take 1.7x (fp32) and 2.3x (bf16) the decode kernel's time, the keys' transposed copy a quarter of
 it (``perf``). The AVX-512 builds of this change were compiled, not measured.
 
-The source is compiled on first use by :func:`rtp.kernels.cpu_build.build` (about 30-60 s,
+The source is compiled on first use by :func:`rtp.kernels.cpu_build.build` (about 20 s,
 cached). Without a C++ compiler, or if the build fails, :func:`load` returns None and the
 runtime keeps the torch path.
 """
@@ -99,8 +99,6 @@ from rtp.kernels.cpu_build import build
 from rtp.kernels.cpu_simd import SIMD_HEADER
 
 _SOURCE = SIMD_HEADER + r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -276,7 +274,7 @@ struct PagedCache {
   const int32_t* tables;
   int64_t block_size, num_kv_heads, block_stride, slot_stride, head_stride, max_blocks;
 
-  PagedCache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables)
+  PagedCache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables)
       : k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()), tables(block_tables.data_ptr<int32_t>()),
         block_size(k_cache.size(1)), num_kv_heads(k_cache.size(2)), block_stride(k_cache.stride(0)),
         slot_stride(k_cache.stride(1)), head_stride(k_cache.stride(2)), max_blocks(block_tables.size(1)) {}
@@ -289,8 +287,8 @@ struct PagedCache {
 };
 
 template <typename T>
-static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                        const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
+static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
                         double scale) {
   // q, out: [B, Hq, D] contiguous; caches: [num_blocks, block_size, Hkv, D], unit stride in D;
   // block_tables: [B, max_blocks] int32; context_lens: [B] int32.
@@ -417,7 +415,7 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
   });
 }
 
-static void check_q_and_caches(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+static void check_q_and_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.strides() == v_cache.strides(), "bad shapes");
   TORCH_CHECK(k_cache.stride(3) == 1 && q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
               "query heads/dim do not fit the cache");
@@ -425,13 +423,13 @@ static void check_q_and_caches(const torch::Tensor& q, const torch::Tensor& k_ca
               "q and the caches must share a dtype");
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                           at::Tensor block_tables, at::Tensor context_lens, double scale) {
   check_q_and_caches(q, k_cache, v_cache);
   q = q.contiguous();
-  auto tables = block_tables.to(torch::kInt32).contiguous();
-  auto lens = context_lens.to(torch::kInt32).contiguous();
-  auto out = torch::empty_like(q);
+  auto tables = block_tables.to(at::kInt).contiguous();
+  auto lens = context_lens.to(at::kInt).contiguous();
+  auto out = at::empty_like(q);
   {
     // No Python object is touched below: let other threads (the heartbeat) run meanwhile.
     pybind11::gil_scoped_release no_gil;
@@ -707,9 +705,9 @@ static inline void softmax_tile(float* s, int64_t nt, const int64_t* visible, fl
 #endif
 
 template <typename T>
-static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                         const torch::Tensor& block_tables, const torch::Tensor& cu_q, const torch::Tensor& k_lens,
-                         torch::Tensor& out, double scale) {
+static void prefill_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_tables, const at::Tensor& cu_q, const at::Tensor& k_lens,
+                         at::Tensor& out, double scale) {
   // q, out: [T, Hq, D] contiguous; sequence b's q_len = cu_q[b+1] - cu_q[b] queries sit at the end of
   // its k_lens[b] cached keys (positions k_len - q_len ..), causal. One task per (sequence, KV head,
   // chunk of QC queries): an online softmax over the keys, KB at a time, in fp32. Every task gathers the
@@ -818,18 +816,18 @@ static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, c
   });
 }
 
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor cu_seqlens_q, torch::Tensor k_lens,
+at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor block_tables, at::Tensor cu_seqlens_q, at::Tensor k_lens,
                             double scale) {
   check_q_and_caches(q, k_cache, v_cache);
   TORCH_CHECK(cu_seqlens_q.numel() == k_lens.numel() + 1 && block_tables.size(0) == k_lens.numel(),
               "one cu_seqlens_q entry per sequence plus one, one block table and key length per sequence");
   q = q.contiguous();
-  auto tables = block_tables.to(torch::kInt32).contiguous();
-  auto cu = cu_seqlens_q.to(torch::kInt32).contiguous();
-  auto lens = k_lens.to(torch::kInt32).contiguous();
+  auto tables = block_tables.to(at::kInt).contiguous();
+  auto cu = cu_seqlens_q.to(at::kInt).contiguous();
+  auto lens = k_lens.to(at::kInt).contiguous();
   TORCH_CHECK(cu[-1].item<int64_t>() == q.size(0), "cu_seqlens_q must end at the number of query tokens");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   {
     pybind11::gil_scoped_release no_gil;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_prefill",

@@ -49,8 +49,6 @@ from rtp.kernels.cpu_simd import SIMD_HEADER
 from rtp.kernels.host_memory import in_huge_pages
 
 _SOURCE = SIMD_HEADER + r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -324,27 +322,27 @@ bool bf16_dot() {
 #endif
 }
 
-torch::Tensor pack_pairs(torch::Tensor w) {
+at::Tensor pack_pairs(at::Tensor w) {
   // [N, K] bf16 -> [ceil(N / NR), ceil(K / 2), NR, 2]: panel p, input pair i, column j holds inputs 2i, 2i + 1
   // of output p NR + j (zero-padded columns and, for an odd K, a zero last input).
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_pairs: weight must be 2-D bf16");
   const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR, Kp = (K + 1) / 2 * 2;
-  auto padded = torch::zeros({panels * NR, Kp}, w.options());
+  auto padded = at::zeros({panels * NR, Kp}, w.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
   return padded.view({panels, NR, Kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor pack(torch::Tensor w) {
+at::Tensor pack(at::Tensor w) {
   // [N, K] -> [ceil(N / NR), K, NR], zero-padded columns; same dtype.
   TORCH_CHECK(w.dim() == 2, "pack: weight must be 2-D");
   const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR;
-  auto padded = torch::zeros({panels * NR, K}, w.options());
+  auto padded = at::zeros({panels * NR, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({panels, NR, K}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<torch::Tensor> bias,
-                   c10::optional<torch::Tensor> scale, int64_t glu_mode) {
+at::Tensor gemm(at::Tensor x, at::Tensor wp, int64_t N, c10::optional<at::Tensor> bias,
+                   c10::optional<at::Tensor> scale, int64_t glu_mode) {
   // x: [M, K] (any float dtype; computed in fp32, or in bf16 products with pair panels); wp from pack() or
   // pack_pairs(); returns [M, N] in x's dtype ([M, N / 2] for GLU_SILU_MUL).
   // int8 panels need scale [N] (output column n is multiplied by scale[n]); the others take none.
@@ -365,7 +363,7 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<t
   TORCH_CHECK(glu == GLU_NONE || (N % 2 == 0 && !bias.has_value() && wt != at::kChar &&
                                   wp.size(0) == (N / 2 + NR / 2 - 1) / (NR / 2)),
               "gemm: gate ‖ up panels need an even N (their count), fp32 or bf16 weights and no bias");
-  torch::Tensor sc;
+  at::Tensor sc;
   if (scale.has_value()) {
     sc = scale->to(at::kFloat).contiguous();
     TORCH_CHECK(sc.dim() == 1 && sc.size(0) == N, "gemm: the scale must be [N]");
@@ -380,8 +378,8 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<t
   // cost a prompt step's largest matmuls 0.76x -> 0.9x of oneDNN's rate at 2048 rows).
   const bool bf16_out = out_dtype == at::kBFloat16;
   const int64_t ldy = glu == GLU_SILU_MUL ? N / 2 : N;
-  auto y = torch::empty({M, ldy}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
-  torch::Tensor b;
+  auto y = at::empty({M, ldy}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  at::Tensor b;
   if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
   {
     // No Python object is touched below: let other threads (the heartbeat) run meanwhile.

@@ -36,8 +36,6 @@ GROUP = 128
 """Activation inputs per quantization group."""
 
 _SOURCE = AMX_HEADER + r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -252,12 +250,12 @@ static void amx_block(const int8_t*, const float*, const int32_t*, const uint8_t
 
 bool has_amx() { return amx_permitted(); }
 
-torch::Tensor pack(torch::Tensor q) {
+at::Tensor pack(at::Tensor q) {
   // int8 [N, K] -> uint8 [ceil(N / NR), Kp / 4, NR, 4], Kp = K rounded up to 64 (an AMX tile's depth),
   // holding q + 128 (padding: 128, i.e. a zero weight).
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack: the weight must be int8 [N, K]");
   const int64_t N = q.size(0), K = q.size(1), panels = (N + NR - 1) / NR, Kp = (K + 63) / 64 * 64;
-  auto padded = torch::zeros({panels * NR, Kp}, q.options().dtype(at::kShort));
+  auto padded = at::zeros({panels * NR, Kp}, q.options().dtype(at::kShort));
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(q);
   padded.add_(128);
   return padded.to(at::kByte).view({panels, NR, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
@@ -283,13 +281,13 @@ static void quantize_pack_impl(const T* w, int64_t N, int64_t K, int64_t Kp, uin
   });
 }
 
-std::vector<torch::Tensor> quantize_pack(torch::Tensor w) {
+std::vector<at::Tensor> quantize_pack(at::Tensor w) {
   // float [N, K] -> (pack(q), scale [N] fp32) for q, scale = rtp.model.quant.int8.quantize_per_channel(w), in one pass.
   TORCH_CHECK(w.dim() == 2, "quantize_pack: the weight must be [N, K]");
   w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR, Kp = (K + 63) / 64 * 64;
-  auto wp = torch::full({panels, Kp / 4, NR, 4}, 128, w.options().dtype(at::kByte));  // padding: a zero weight
-  auto scale = torch::empty({N}, w.options().dtype(at::kFloat));
+  auto wp = at::full({panels, Kp / 4, NR, 4}, 128, w.options().dtype(at::kByte));  // padding: a zero weight
+  auto scale = at::empty({N}, w.options().dtype(at::kFloat));
   uint8_t* out = wp.data_ptr<uint8_t>();
   float* sp = scale.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, w.scalar_type(), "quantize_pack",
@@ -297,7 +295,7 @@ std::vector<torch::Tensor> quantize_pack(torch::Tensor w) {
   return {wp, scale};
 }
 
-torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+at::Tensor gemm(at::Tensor x, at::Tensor wp, int64_t N, at::Tensor scale, c10::optional<at::Tensor> bias,
                    bool use_amx) {
   // x: [M, K] (any float dtype); wp from pack(); scale: [N] per output; returns [M, N] in x's dtype.
   // use_amx: AMX tiles where the CPU and the kernel grant them (else VNNI).
@@ -307,12 +305,12 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, torch::Tensor s
   TORCH_CHECK(x.dim() == 2 && (K + 63) / 64 * 64 == Kp, "gemm: x does not fit the weight");
   auto sw = scale.to(at::kFloat).contiguous();
   TORCH_CHECK(sw.dim() == 1 && sw.size(0) == N, "gemm: the scale must be [N]");
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
   const auto out_dtype = x.scalar_type();
   auto xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), G = (K + KG - 1) / KG, Mp = (M + 15) / 16 * 16;  // AMX reads 16-row tiles
-  auto y = torch::empty({M, N}, xf.options());
+  auto y = at::empty({M, N}, xf.options());
   std::vector<int8_t> xq(Mp * Kp, 0);
   std::vector<float> sx(Mp * G, 0.f);
   std::vector<int32_t> xs(Mp * G, 0);

@@ -27,8 +27,6 @@ from rtp.kernels.cpu_build import build
 from rtp.kernels.cpu_simd import SIMD_HEADER
 
 _SOURCE = SIMD_HEADER + r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -66,7 +64,7 @@ static inline void norm_row(const T* x, const W* w, float* y, int64_t n, float e
 struct Index {
   const int32_t* i32 = nullptr;
   const int64_t* i64 = nullptr;
-  explicit Index(const torch::Tensor& t) {
+  explicit Index(const at::Tensor& t) {
     TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
                 "index tensors must be 1-D contiguous int32 or int64");
     if (t.scalar_type() == at::kInt) i32 = t.data_ptr<int32_t>(); else i64 = t.data_ptr<int64_t>();
@@ -81,8 +79,8 @@ static inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 /
 // first and normalised instead (the decoder layer's residual add, fused: HF adds in the activation dtype).
 // x, res, w, y and sum share the dtype T.
 template <typename T>
-static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* res, const torch::Tensor& w, torch::Tensor& y,
-                          torch::Tensor* sum, float eps) {
+static void rms_norm_impl(const at::Tensor& x, const at::Tensor* res, const at::Tensor& w, at::Tensor& y,
+                          at::Tensor* sum, float eps) {
   const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0), ldr = res != nullptr ? res->stride(0) : 0;
   const T* xp = x.data_ptr<T>();
   const T* rp = res != nullptr ? res->data_ptr<T>() : nullptr;
@@ -104,8 +102,8 @@ static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* res, cons
   });
 }
 
-static void rms_norm_any(const torch::Tensor& x, const torch::Tensor* res, const torch::Tensor& w, torch::Tensor& y,
-                         torch::Tensor* sum, double eps) {
+static void rms_norm_any(const at::Tensor& x, const at::Tensor* res, const at::Tensor& w, at::Tensor& y,
+                         at::Tensor* sum, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
               "rms_norm: x must be [T, n] with a contiguous last dim and w [n]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and w must have one dtype");
@@ -117,20 +115,20 @@ static void rms_norm_any(const torch::Tensor& x, const torch::Tensor* res, const
   else TORCH_CHECK(false, "rms_norm: unsupported dtypes");
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   // x: [T, n] (rows may be strided; last dim contiguous); w: [n] -> [T, n] contiguous, x's dtype.
-  auto y = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto y = at::empty({x.size(0), x.size(1)}, x.options());
   rms_norm_any(x, nullptr, w, y, nullptr, eps);
   return y;
 }
 
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps) {
   // x, residual: [T, n] of one dtype (last dims contiguous); w: [n] -> (norm(x + residual), x + residual), both
   // [T, n] contiguous in x's dtype.
   TORCH_CHECK(residual.dim() == 2 && residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
               residual.scalar_type() == x.scalar_type(), "add_rms_norm: x and residual must be [T, n] of one dtype");
-  auto y = torch::empty({x.size(0), x.size(1)}, x.options());
-  auto sum = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto y = at::empty({x.size(0), x.size(1)}, x.options());
+  auto sum = at::empty({x.size(0), x.size(1)}, x.options());
   rms_norm_any(x, &residual, w, y, &sum, eps);
   return {y, sum};
 }
@@ -154,9 +152,9 @@ static inline void head_norm_rope(const T* x, const W* w, const float* c, const 
 }
 
 template <typename T, typename W>
-static void qk_norm_rope_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& wq,
-                              const torch::Tensor& wk, const torch::Tensor& cos, const torch::Tensor& sin,
-                              const torch::Tensor& pos, torch::Tensor& qo, torch::Tensor& ko, float eps) {
+static void qk_norm_rope_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& wq,
+                              const at::Tensor& wk, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& pos, at::Tensor& qo, at::Tensor& ko, float eps) {
   const int64_t t_n = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
   const int64_t ldq = q.stride(0), ldk = k.stride(0), half = cos.size(1);
   const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>();
@@ -177,8 +175,8 @@ static void qk_norm_rope_impl(const torch::Tensor& q, const torch::Tensor& k, co
   });
 }
 
-std::vector<torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch::Tensor wq, torch::Tensor wk,
-                                        torch::Tensor cos, torch::Tensor sin, torch::Tensor pos, double eps) {
+std::vector<at::Tensor> qk_norm_rope(at::Tensor q, at::Tensor k, at::Tensor wq, at::Tensor wk,
+                                        at::Tensor cos, at::Tensor sin, at::Tensor pos, double eps) {
   // q: [T, Hq, D], k: [T, Hkv, D] (views into the fused qkv output: rows strided, heads contiguous);
   // wq, wk: [D], or both empty (no norm: the rotary embedding alone); cos, sin: [max_positions, D/2] fp32;
   // pos: [T] int32/int64 -> contiguous q, k.
@@ -197,8 +195,8 @@ std::vector<torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch:
   TORCH_CHECK(wq.is_contiguous() && wk.is_contiguous() && wq.numel() == wk.numel() &&
               (wq.numel() == d || wq.numel() == 0) && wq.scalar_type() == wk.scalar_type() &&
               k.scalar_type() == q.scalar_type(), "qk_norm_rope: weights");
-  auto qo = torch::empty({q.size(0), q.size(1), d}, q.options());
-  auto ko = torch::empty({k.size(0), k.size(1), d}, k.options());
+  auto qo = at::empty({q.size(0), q.size(1), d}, q.options());
+  auto ko = at::empty({k.size(0), k.size(1), d}, k.options());
   pybind11::gil_scoped_release no_gil;
   const auto xt = q.scalar_type(), wt = wq.scalar_type();
   if (xt == at::kFloat && wt == at::kFloat)
@@ -212,7 +210,7 @@ std::vector<torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch:
 }
 
 template <typename T>
-static void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& y) {
+static void silu_and_mul_impl(const at::Tensor& x, at::Tensor& y) {
   const int64_t rows = x.size(0), n = x.size(1) / 2, ldx = x.stride(0);
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
@@ -235,10 +233,10 @@ static void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& y) {
   });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   // x: [T, 2n] = gate | up (rows may be strided) -> [T, n] = silu(gate) * up, x's dtype.
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, "silu_and_mul: x must be [T, 2n]");
-  auto y = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  auto y = at::empty({x.size(0), x.size(1) / 2}, x.options());
   pybind11::gil_scoped_release no_gil;
   if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(x, y);
   else if (x.scalar_type() == at::kBFloat16) silu_and_mul_impl<at::BFloat16>(x, y);
@@ -247,8 +245,8 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return y;
 }
 
-void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slots) {
+void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slots) {
   // key, value: [T, Hkv, D] (rows may be strided; heads contiguous); caches [B, S, Hkv, D] contiguous;
   // slots: [T] int32/int64, -1 = do not store. Checked by the caller (rtp.kernels.kv_store).
   const int64_t t_n = key.size(0), width = key.size(1) * key.size(2), item = key.element_size();

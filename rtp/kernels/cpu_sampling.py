@@ -31,8 +31,6 @@ from rtp.kernels.cpu_build import build
 from rtp.kernels.cpu_simd import SIMD_HEADER
 
 _SOURCE = SIMD_HEADER + r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -54,14 +52,14 @@ static inline uint32_t key_of(float v) {
 
 // probs [rows, V] float32 (a row's softmax), top_p [rows] float32 -> [rows] float32: the probability of each
 // row's last kept token (0 where top_p >= 1: nothing dropped; NaN for a row whose mass is NaN, as the sort).
-torch::Tensor top_p_threshold(const torch::Tensor& probs, const torch::Tensor& top_p) {
+at::Tensor top_p_threshold(const at::Tensor& probs, const at::Tensor& top_p) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.is_contiguous(),
               "top_p_threshold: probs must be a contiguous [rows, vocab] float32 tensor");
   TORCH_CHECK(top_p.dim() == 1 && top_p.scalar_type() == at::kFloat && top_p.is_contiguous() &&
               top_p.size(0) == probs.size(0), "top_p_threshold: top_p must be a contiguous [rows] float32 tensor");
   const int64_t rows = probs.size(0), vocab = probs.size(1);
   TORCH_CHECK(vocab > 0, "top_p_threshold: empty rows");
-  auto out = torch::empty({rows}, probs.options());
+  auto out = at::empty({rows}, probs.options());
   const float* pp = probs.data_ptr<float>();
   const float* tp = top_p.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -163,11 +161,11 @@ static void argmax_impl(const T* xp, int64_t rows, int64_t vocab, int64_t ldx, i
   });
 }
 
-torch::Tensor argmax_rows(const torch::Tensor& x) {
+at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0 &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "argmax_rows: x must be a [rows, vocab] float32 or bf16 tensor with contiguous rows");
-  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   pybind11::gil_scoped_release no_gil;
   if (x.scalar_type() == at::kFloat)
     argmax_impl(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), out.data_ptr<int64_t>());
@@ -206,7 +204,7 @@ static inline float block_exps(const float* x, int64_t n, float m, float s, floa
 // running sums (double), then the token on the running sum (double) inside it; where rounding leaves none
 // there, the block's last token of positive mass. Never a token of zero mass (x = -inf). -1 for a row whose
 // total is not a positive finite number (all -inf, a NaN or +inf logit): the caller decides.
-torch::Tensor draw_rows(const torch::Tensor& x, const torch::Tensor& u, const torch::Tensor& inv_temp) {
+at::Tensor draw_rows(const at::Tensor& x, const at::Tensor& u, const at::Tensor& inv_temp) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "draw_rows: x must be a [rows, vocab] float32 tensor with contiguous rows");
   const int64_t rows = x.size(0), vocab = x.size(1), ldx = x.stride(0);
@@ -215,7 +213,7 @@ torch::Tensor draw_rows(const torch::Tensor& x, const torch::Tensor& u, const to
   TORCH_CHECK(inv_temp.dim() == 1 && inv_temp.scalar_type() == at::kFloat && inv_temp.is_contiguous() &&
               inv_temp.size(0) == rows, "draw_rows: inv_temp must be a contiguous [rows] float32 tensor");
   TORCH_CHECK(vocab > 0, "draw_rows: empty rows");
-  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   const float* tp = inv_temp.data_ptr<float>();

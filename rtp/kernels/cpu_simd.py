@@ -10,7 +10,8 @@ SIMD_HEADER = r"""
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));

@@ -10,12 +10,11 @@ from rtp.kernels.cpu_build import build
 from rtp.kernels.cpu_simd import SIMD_HEADER
 
 _SOURCE = SIMD_HEADER + r"""
-#include <torch/extension.h>
 
 // y = exp8(x) (eight lanes) or expv(x) (a whole register) over x [n], n a multiple of VW.
-torch::Tensor exps(torch::Tensor x, bool whole) {
+at::Tensor exps(at::Tensor x, bool whole) {
   x = x.contiguous();
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for (int64_t i = 0; i < x.numel(); i += whole ? VW : 8) {
