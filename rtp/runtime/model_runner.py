@@ -20,7 +20,8 @@ from rtp.core.step import StepPlan
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.pipeline import StageLink, stage_layers
 from rtp.errors import ConfigError
-from rtp.kernels import cpu_gemm, cpu_ops
+from rtp.kernels import cpu_allreduce, cpu_attention, cpu_gemm, cpu_ops, cpu_sampling
+from rtp.kernels.cpu_build import load_all
 from rtp.kernels.cpu_features import native_bf16
 from rtp.kernels.fp8_kv import kv_cache_dtype
 from rtp.log import get_logger
@@ -264,10 +265,11 @@ class ModelRunner:
             if cap < (8, 9):  # Triton's e4m3 (fp8e4nv) needs Ada or Hopper
                 raise ConfigError(f"kv_cache_dtype={cache.kv_cache_dtype} needs a GPU of compute capability 8.9 or "
                                   f"newer (Ada, Hopper); this one is {cap[0]}.{cap[1]}: use kv_cache_dtype=auto")
+        if ps.device.type == "cpu":  # the C++ kernels: built (first use) now, side by side, not in the first steps
+            kernels = [cpu_attention.load, cpu_gemm.load, cpu_ops.load, cpu_sampling.load]
+            load_all(kernels + [cpu_allreduce.load] if ps.tp_size > 1 else kernels)
         # "flash", "triton", "cpu" or "torch" (an fp8 cache: "triton" on CUDA, "torch" on CPU)
         self.attn_backend = choose_attn_backend(ps.device, self.dtype, self.kv_cache_dtype)
-        if ps.device.type == "cpu":
-            cpu_ops.load()  # the fused layer ops: built (first use) now, not inside the first step
         block_size = cache.block_size or (256 if self.attn_backend == "flash" else 16)
         if self.attn_backend == "flash" and block_size % 256:
             raise ConfigError(f"block_size={block_size} is invalid with flash-attn: paged KV needs a multiple of 256")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,30 @@ def test_the_kernel_cache_tag_tells_apart_cpus_with_the_same_model_name() -> Non
     assert _cpu_tag(_ZEN4) != _cpu_tag(other_flags)
     assert _cpu_tag(_ZEN4) == _cpu_tag(reboot)
     assert _cpu_tag(_ZEN4) == _cpu_tag(_ZEN4.replace("processor\t: 1", "processor\t: 1\ncpu MHz\t\t: 1"))
+
+
+def test_load_all_builds_side_by_side_and_calls_every_loader_once(monkeypatch) -> None:
+    """With two cores, two loaders run at once (each waits for the other at a barrier: run one after the other,
+    they would time out); with one core they run in turn. Every loader is called exactly once."""
+    import threading
+
+    from rtp.kernels.cpu_build import load_all
+
+    calls: list[str] = []
+    barrier = threading.Barrier(2, timeout=30)
+
+    def loader(name: str, meet: bool):
+        def load():
+            if meet:
+                barrier.wait()
+            calls.append(name)
+            return None
+        return load
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    load_all([loader("a", True), loader("b", True), loader("c", False)])
+    assert sorted(calls) == ["a", "b", "c"]
+    calls.clear()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    load_all([loader("a", False), loader("b", False)])
+    assert calls == ["a", "b"]
