@@ -101,9 +101,9 @@ def build(prefix: str, source: str, functions: list[str], extra_cflags: tuple[st
 
 def load_all(loaders: Sequence[Callable[[], ModuleType | None]]) -> None:
     """Call every kernel module's (cached) ``load``, building the kernels not in the cache yet side by side:
-    one compiler per core, as many as there are kernels. A first start on two cores builds the four kernels
-    of a TP = 1 run in about 40 s instead of 70. Ranks that start together each call this: a kernel another
-    rank is building is waited for (torch's build lock), not built twice."""
+    one compiler per core, as many as there are kernels (the TP = 1 demo job's first start on two cores:
+    47 s instead of 75). Ranks that start together each call this: a kernel another rank is building is
+    waited for (torch's build lock), not built twice."""
     workers = min(len(loaders), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     if workers <= 1:
         for load in loaders:
