@@ -18,11 +18,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """
     if not HAS_CXX or not any(item.get_closest_marker("slow") for item in session.items):
         return
-    from rtp.kernels import cpu_allreduce, cpu_attention, cpu_gemm, cpu_ops, cpu_sampling
     from rtp.kernels.cpu_build import load_all
+    from rtp.runtime.model_runner import cpu_kernel_loaders
 
     start = time.monotonic()
-    load_all([k.load for k in (cpu_attention, cpu_gemm, cpu_ops, cpu_sampling, cpu_allreduce)])
+    load_all(cpu_kernel_loaders(tp_size=2))  # every kernel: the TP tests need the all-reduce too
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(f"CPU kernels ready ({time.monotonic() - start:.1f} s)")

@@ -9,7 +9,9 @@ rank 0 turns them into logits with its whole LM head in :meth:`ModelRunner.colle
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -121,6 +123,13 @@ def vocab_parallel_argmax(local: torch.Tensor, vocab_start: int, ps: ParallelSta
         return None
     winner = every[:, 0::2].argmax(dim=1, keepdim=True)  # [R, 1] the first rank holding the maximum
     return every[:, 1::2].gather(1, winner)[:, 0].long()
+
+
+def cpu_kernel_loaders(tp_size: int) -> Sequence[Callable[[], ModuleType | None]]:
+    """The ``load`` of each C++ kernel a CPU rank runs: attention, GEMM, the fused ops, sampling, and the
+    all-reduce where there is a TP group to reduce over."""
+    kernels = [cpu_attention.load, cpu_gemm.load, cpu_ops.load, cpu_sampling.load]
+    return kernels + [cpu_allreduce.load] if tp_size > 1 else kernels
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -266,8 +275,7 @@ class ModelRunner:
                 raise ConfigError(f"kv_cache_dtype={cache.kv_cache_dtype} needs a GPU of compute capability 8.9 or "
                                   f"newer (Ada, Hopper); this one is {cap[0]}.{cap[1]}: use kv_cache_dtype=auto")
         if ps.device.type == "cpu":  # the C++ kernels: built (first use) now, side by side, not in the first steps
-            kernels = [cpu_attention.load, cpu_gemm.load, cpu_ops.load, cpu_sampling.load]
-            load_all(kernels + [cpu_allreduce.load] if ps.tp_size > 1 else kernels)
+            load_all(cpu_kernel_loaders(ps.tp_size))
         # "flash", "triton", "cpu" or "torch" (an fp8 cache: "triton" on CUDA, "torch" on CPU)
         self.attn_backend = choose_attn_backend(ps.device, self.dtype, self.kv_cache_dtype)
         block_size = cache.block_size or (256 if self.attn_backend == "flash" else 16)
