@@ -161,16 +161,9 @@ class ResponseBuilder:
         """Logprobs of the generated tokens ``start:`` (None when the request asked for none)."""
         if self.num_logprobs is None or out.logprobs is None:
             return None
-        pairs = list(zip(out.token_ids[start:], out.logprobs[start:]))
         if self.chat:
-            content = []
-            for tid, entry in pairs:
-                tok = self._token(tid)
-                top = [{"token": (t := self._token(k)), "logprob": self._finite(v), "bytes": list(t.encode())}
-                       for k, v in self._top(entry)]
-                content.append({"token": tok, "logprob": self._finite(entry.get(tid)),
-                                "bytes": list(tok.encode()), "top_logprobs": top})
-            return {"content": content}
+            return {"content": self.token_logprobs(out, start)}
+        pairs = list(zip(out.token_ids[start:], out.logprobs[start:]))
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for tid, entry in pairs:
             tok = self._token(tid)
@@ -181,6 +174,18 @@ class ResponseBuilder:
             self._text_offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
+
+    def token_logprobs(self, out: RequestOutput | CompletionOutput, start: int) -> list[dict[str, Any]]:
+        """OpenAI's logprob objects (``token``, ``logprob``, ``bytes``, ``top_logprobs``) of the generated tokens
+        ``start:``: chat's ``logprobs.content``, and the Responses API's ``output_text.logprobs``."""
+        content = []
+        for tid, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+            tok = self._token(tid)
+            top = [{"token": (t := self._token(k)), "logprob": self._finite(v), "bytes": list(t.encode())}
+                   for k, v in self._top(entry)]
+            content.append({"token": tok, "logprob": self._finite(entry.get(tid)),
+                            "bytes": list(tok.encode()), "top_logprobs": top})
+        return content
 
     # ---- bodies ----
 

@@ -12,6 +12,11 @@ added/delta/done events (response.output_text.delta, response.reasoning_text.del
 response.function_call_arguments.delta/done for a call) and response.output_item.done; and last
 response.completed (or response.incomplete when max_output_tokens ran out), carrying the whole
 Response. An error after the stream started is an ``error`` event, and the stream ends there.
+
+With ``include: ["message.output_text.logprobs"]``, the message's ``output_text`` lists the logprobs
+of every generated token (``top_logprobs`` alternatives each), as vLLM's; streamed, each
+response.output_text.delta carries those of the tokens since the one before it (reasoning tokens
+included), and a last delta with no text carries any left when the message ends.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from rtp.sampling import SamplingParams
 from rtp.server.async_engine import RequestStream
 from rtp.server.chat_output import ChatOutput
 from rtp.server.http_errors import ClientGone, runtime_error
+from rtp.server.responses import ResponseBuilder
 from rtp.server.responses_protocol import ResponsesRequest
 from rtp.server.sse import ClosingEventStream
 from rtp.server.streaming import Tracker
@@ -46,8 +52,11 @@ class ResponseWriter:
     """Builds one request's Response object and, when streamed, its events in order."""
 
     def __init__(self, req: ResponsesRequest, response_id: str, model: str, num_prompt_tokens: int,
-                 output: ChatOutput, params: SamplingParams) -> None:
+                 output: ChatOutput, params: SamplingParams, logprobs: ResponseBuilder | None = None) -> None:
         self.req, self.id, self.model, self.output = req, response_id, model, output
+        self.logprobs = logprobs  # writes the tokens' logprob objects, when the request includes them
+        self._logprobs_seen = 0  # streamed: generated tokens whose logprobs were taken
+        self._pending: list[dict[str, Any]] = []  # streamed: logprobs not sent yet
         self.params = params  # what the request runs with: the Response repeats its temperature and top_p
         self.num_prompt_tokens = num_prompt_tokens
         self.created = int(time.time())  # whole seconds, as OpenAI's
@@ -74,8 +83,9 @@ class ResponseWriter:
     def status_of(out: RequestOutput) -> str:
         return "incomplete" if out.finish_reason == "length" else "completed"
 
-    def items_of(self, message: dict[str, Any], status: str) -> list[dict[str, Any]]:
-        """Output items of a finished chat message (reasoning, text, tool calls)."""
+    def items_of(self, message: dict[str, Any], status: str, out: RequestOutput | None = None) -> list[dict[str, Any]]:
+        """Output items of a finished chat message (reasoning, text, tool calls); the text lists the logprobs of
+        ``out``'s tokens when the request includes them."""
         items: list[dict[str, Any]] = []
         if message.get("reasoning_content"):
             items.append({"type": "reasoning", "id": _id("rs"), "summary": [], "status": status,
@@ -84,7 +94,7 @@ class ResponseWriter:
         if message.get("content") or not calls:
             items.append({"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
                           "content": [{"type": "output_text", "text": message.get("content") or "",
-                                       "annotations": [], "logprobs": []}]})
+                                       "annotations": [], "logprobs": self._all_logprobs(out)}]})
         for call in calls:
             items.append({"type": "function_call", "id": _id("fc"), "call_id": call["id"],
                           "name": call["function"]["name"], "arguments": call["function"]["arguments"],
@@ -93,7 +103,16 @@ class ResponseWriter:
             item["status"] = "completed"
         return items
 
+    def _all_logprobs(self, out: RequestOutput | None) -> list[dict[str, Any]]:
+        return [] if self.logprobs is None or out is None else self.logprobs.token_logprobs(out, 0)
+
     # ---- stream events ----
+
+    def take_logprobs(self, out: RequestOutput) -> None:
+        """Streamed: queue the logprobs of the tokens ``out`` added, for the next output_text delta."""
+        if self.logprobs is not None and len(out.token_ids) > self._logprobs_seen:
+            self._pending += self.logprobs.token_logprobs(out, self._logprobs_seen)
+            self._logprobs_seen = len(out.token_ids)
 
     def event(self, type_: str, **fields: Any) -> str:
         body = {"type": type_, "sequence_number": self._seq, **fields}
@@ -136,10 +155,15 @@ class ResponseWriter:
             item["arguments"] += text
             return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                                delta=text)]
-        item["content"][0]["text"] += text
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
-        return [self.event(name, item_id=item["id"], output_index=index, content_index=0, delta=text, **extra)]
+        part = item["content"][0]
+        part["text"] += text
+        if kind == "reasoning":
+            return [self.event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                               content_index=0, delta=text)]
+        logprobs, self._pending = self._pending, []
+        part["logprobs"] += logprobs
+        return [self.event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                           delta=text, logprobs=logprobs)]
 
     def _finish_open(self, status: str = "completed") -> list[str]:
         item, self._open = self._open, None
@@ -154,7 +178,7 @@ class ResponseWriter:
         else:
             part = item["content"][0]
             name = "response.reasoning_text" if item["type"] == "reasoning" else "response.output_text"
-            extra: dict[str, Any] = {} if item["type"] == "reasoning" else {"logprobs": []}
+            extra: dict[str, Any] = {} if item["type"] == "reasoning" else {"logprobs": part["logprobs"]}
             events.append(self.event(f"{name}.done", item_id=item["id"], output_index=index, content_index=0,
                                      text=part["text"], **extra))
             events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
@@ -182,7 +206,10 @@ class ResponseWriter:
 
     def closing(self, out: RequestOutput, reasoning_tokens: int) -> list[str]:
         status = self.status_of(out)
-        events = self._finish_open(status)
+        events = []
+        if self._pending and self._open is not None and self._open["type"] == "message":
+            events += self._append("message", "")  # the last tokens' logprobs (their text was held back or empty)
+        events += self._finish_open(status)
         if not self.items:  # nothing was generated but EOS: an empty message, as a non-streamed answer has
             events += self._start("message") + self._finish_open(status)
         name = "response.incomplete" if status == "incomplete" else "response.completed"
@@ -199,9 +226,14 @@ async def create_response(api: ServerContext, request: Request) -> Response:
     mode, tool_name = api.tool_mode(chat)
     text = await api.render_chat(chat.conversation(), chat.tool_dicts(), chat.chat_template_kwargs, True)
     constraint = await api.constraint(chat.tool_grammar() or chat.grammar_spec())
-    stream, ids, _, params = await api.submit(chat, text, None, "resp", "input", constraint, "max_output_tokens")
+    num_logprobs = req.num_logprobs()
+    stream, ids, rid, params = await api.submit(chat, text, num_logprobs, "resp", "input", constraint,
+                                                "max_output_tokens")
     output = ChatOutput(reasoning=api.server.reasoning_parser is not None, tool_mode=mode, tool_name=tool_name)
-    writer = ResponseWriter(req, _id("resp"), api.model_name, len(ids), output, params)
+    logprobs = None
+    if num_logprobs is not None:
+        logprobs = ResponseBuilder("chat.completion", rid, api.model_name, api.tokenizer, len(ids), num_logprobs)
+    writer = ResponseWriter(req, _id("resp"), api.model_name, len(ids), output, params, logprobs)
     if req.stream:
         return ClosingEventStream(_events(api, stream, writer), [stream])
     try:
@@ -211,7 +243,7 @@ async def create_response(api: ServerContext, request: Request) -> Response:
     except Exception as e:  # noqa: BLE001
         raise runtime_error(e, "input") from None
     message = output.message(out.text)
-    writer.items = writer.items_of(message, writer.status_of(out))
+    writer.items = writer.items_of(message, writer.status_of(out), out)
     reasoning_tokens = await _count_tokens(api, message.get("reasoning_content"))
     return JSONResponse(writer.response(writer.status_of(out), out, reasoning_tokens))
 
@@ -230,6 +262,7 @@ async def _events(api: ServerContext, stream: RequestStream, writer: ResponseWri
             yield event
         async for out in stream:
             tracker.update(out)
+            writer.take_logprobs(out)
             delta = writer.output.delta(out.new_text, out.finished)
             reasoning += delta.get("reasoning_content") or ""
             for event in writer.delta_events(delta):

@@ -7,8 +7,11 @@ items (dropped: the chat template of Qwen3 does not replay old thinking); ``inst
 (a system message before the input); ``max_output_tokens``, ``temperature``, ``top_p``; function
 ``tools`` and ``tool_choice``; ``text.format`` (text, json_object, json_schema); plus vLLM's
 extras ``seed``, ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``chat_template_kwargs``. rtp stores no responses: ``previous_response_id`` is refused, ``store``
-and ``metadata`` are echoed and otherwise ignored.
+``chat_template_kwargs``; ``top_logprobs`` with ``include: ["message.output_text.logprobs"]`` (the
+logprobs of every generated token go with the message's ``output_text``, as vLLM's; the other
+``include`` values OpenAI defines are accepted and change nothing: rtp has none of those tools,
+and its reasoning items are never encrypted). rtp stores no responses: ``previous_response_id``
+is refused, ``store`` and ``metadata`` are echoed and otherwise ignored.
 
 The request becomes a :class:`ChatCompletionRequest` (:meth:`ResponsesRequest.to_chat`), so the
 prompt, the tool grammars and the sampling are exactly the chat route's.
@@ -90,6 +93,13 @@ class ReasoningConfig(_Strict):
     summary: str | None = None
 
 
+# OpenAI's values of ``include``: only the first changes what rtp returns.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+Includable = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "code_interpreter_call.outputs",
+                     "computer_call_output.output.image_url", "file_search_call.results",
+                     "message.input_image.image_url", "web_search_call.action.sources", "web_search_call.results"]
+
+
 class ResponsesRequest(_Strict):
     """Body of POST /v1/responses."""
 
@@ -110,6 +120,9 @@ class ResponsesRequest(_Strict):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="with include "
+                                     "message.output_text.logprobs: the likeliest tokens listed at each position")
+    include: list[Includable] | None = None
     previous_response_id: str | None = _unsupported("null: rtp stores no responses; send the whole conversation",
                                                     max_length=0)
     # vLLM's extras.
@@ -127,6 +140,10 @@ class ResponsesRequest(_Strict):
         if isinstance(value, (str, list)) and not value:
             raise PydanticCustomError("input_empty", "must be a non-empty string or a non-empty list of items")
         return handler(value)
+
+    def num_logprobs(self) -> int | None:
+        """The top tokens to list per generated token; None when ``include`` does not ask for logprobs."""
+        return (self.top_logprobs or 0) if OUTPUT_LOGPROBS in (self.include or []) else None
 
     def messages(self) -> list[dict[str, Any]]:
         """The input as chat messages (OpenAI chat shape); ApiError(400) naming the item at fault."""

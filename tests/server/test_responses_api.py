@@ -97,6 +97,36 @@ def test_streamed_events_as_the_sdk_parses_them(served, tokenizer):
     assert events[0].response.status == "in_progress" and events[0].response.output == []
 
 
+def test_output_text_logprobs_when_included_equal_the_chat_routes(served, tokenizer):
+    client, http, engine = served
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 5, "temperature": 0}
+    r = http.post("/v1/responses", json={**body, "include": ["message.output_text.logprobs"], "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    assert engine.added[-1][1].logprobs == 2
+    part = r.json()["output"][0]["content"][0]
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                   "max_tokens": 5, "temperature": 0, "logprobs": True,
+                                                   "top_logprobs": 2})
+    want = chat.json()["choices"][0]["logprobs"]["content"]
+    assert part["logprobs"] == want and len(want) == 5
+    p = engine.pattern
+    for i, entry in enumerate(part["logprobs"]):  # the fake's: the token at -0.25, two others below it
+        assert entry["token"] == tokenizer.decode([p[i % len(p)]]) and entry["logprob"] == -0.25
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert [t["logprob"] for t in entry["top_logprobs"]] == [-0.25, -1.5]
+    # Streamed: the deltas' logprobs add up to the done event's and to the non-streamed list.
+    events = list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, temperature=0, stream=True,
+                                          include=["message.output_text.logprobs"], top_logprobs=2))
+    streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = [e for e in events if e.type == "response.output_text.done"][0]
+    assert streamed == [lp.model_dump() for lp in done.logprobs] == want
+    assert [lp.model_dump() for lp in events[-1].response.output[0].content[0].logprobs] == want
+    # Not included: no logprobs computed, none listed (top_logprobs alone does not ask for them, as vLLM's).
+    r = http.post("/v1/responses", json={**body, "top_logprobs": 2, "include": ["reasoning.encrypted_content"]})
+    assert r.status_code == 200 and engine.added[-1][1].logprobs is None
+    assert r.json()["output"][0]["content"][0]["logprobs"] == []
+
+
 def test_bad_requests_get_400s_naming_the_field(served):
     _, http, _ = served
     for body, param in (({"input": ""}, "input"), ({"input": []}, "input"),
@@ -106,7 +136,9 @@ def test_bad_requests_get_400s_naming_the_field(served):
                         ({"input": "a", "max_output_tokens": 0}, "max_output_tokens"),
                         ({"input": "a", "max_output_tokens": 100_000}, "max_output_tokens"),  # over the limit
                         ({"input": "a", "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
-                        ({"input": "a", "model": "other"}, "model")):
+                        ({"input": "a", "model": "other"}, "model"),
+                        ({"input": "a", "top_logprobs": 21}, "top_logprobs"),
+                        ({"input": "a", "include": ["message.output_text.logprobs", "everything"]}, "include.1")):
         r = http.post("/v1/responses", json=body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
 

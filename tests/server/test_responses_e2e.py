@@ -103,6 +103,25 @@ def test_responses_plain_and_streamed_equal_transformers_greedy(client, model, h
     assert events[-1].response.output_text == want
 
 
+@pytest.mark.timeout(120)
+def test_included_output_text_logprobs_equal_transformers_log_softmax(client, model, hf):
+    m, tok = hf
+    prompt = chat_prompt(tok, [{"role": "user", "content": "Count to five."}])
+    want = hf_greedy(m, prompt, 6)
+    with torch.no_grad():
+        ref = torch.log_softmax(m(torch.tensor([prompt + want])).logits[0].double(), -1)[len(prompt) - 1:]  # [7, vocab]
+    r = client.responses.create(model=model, input="Count to five.", max_output_tokens=6, temperature=0,
+                                include=["message.output_text.logprobs"], top_logprobs=3,
+                                extra_body={"ignore_eos": True})
+    logprobs = r.output[-1].content[0].logprobs
+    assert len(logprobs) == 6
+    for i, (entry, token) in enumerate(zip(logprobs, want, strict=True)):
+        assert entry.token == tok.decode([token]) and abs(entry.logprob - ref[i, token].item()) < 1e-4, i
+        top = torch.topk(ref[i], 3)
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([k]) for k in top.indices.tolist()], i
+        assert all(abs(t.logprob - v) < 1e-4 for t, v in zip(entry.top_logprobs, top.values.tolist(), strict=True))
+
+
 @pytest.mark.timeout(180)
 def test_responses_with_a_function_tool(client, model):
     # "required" is a list of calls of any length: the random model may need a few hundred tokens to close it.
