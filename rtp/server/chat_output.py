@@ -5,7 +5,8 @@ One :class:`ChatOutput` per request. ``reasoning`` turns on the ``<think>`` spli
 
 - "none": no parsing, the text is content;
 - "auto": Qwen3's ``<tool_call>`` blocks (rtp.server.tools.parse_tool_calls);
-- "required": the output is a JSON list of ``{"name", "parameters"}`` (forced by a grammar);
+- "required": the output is a JSON list of ``{"name", "parameters"}`` (forced by a grammar), streamed one
+  call per closed object;
 - "named": the output is the arguments of ``tool_name`` (forced by a grammar).
 
 A response with calls in "auto" or "required" mode ends with ``finish_reason: "tool_calls"``
@@ -17,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from rtp.server.reasoning import ReasoningStream, split_reasoning
-from rtp.server.tools import ToolCall, ToolCallStream, parse_required, parse_tool_calls
+from rtp.server.tools import RequiredCallStream, ToolCall, ToolCallStream, parse_tool_calls
 
 ToolMode = Literal["none", "auto", "required", "named"]
 
@@ -31,7 +32,7 @@ class ChatOutput:
         self._reasoning_stream = ReasoningStream()
         self._tool_stream = ToolCallStream()
         self._named = ToolCall(tool_name or "", "")
-        self._required_text = ""
+        self._required = RequiredCallStream()
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.has_calls and self.tool_mode != "named" else reason
@@ -44,8 +45,8 @@ class ChatOutput:
         if self.tool_mode == "auto" and content is not None:
             content, calls = parse_tool_calls(content)
         elif self.tool_mode == "required":
-            calls = parse_required(text)
-            content = None if calls else text
+            content, calls = RequiredCallStream().feed(text, final=True)
+            content = content or None
         elif self.tool_mode == "named":
             calls, content = [ToolCall(self.tool_name or "", text)], None
         msg["content"] = content if content is not None or calls else ""  # null only beside tool calls
@@ -73,19 +74,10 @@ class ChatOutput:
             elif content:
                 out["tool_calls"] = [{"index": 0, "function": {"arguments": content}}]
             return out
-        if self.tool_mode == "required":
-            self._required_text += content
-            if final:
-                required = parse_required(self._required_text)
-                if required:
-                    self.has_calls = True
-                    out["tool_calls"] = [c.openai(i) for i, c in enumerate(required)]
-                elif self._required_text:
-                    out["content"] = self._required_text
-            return out
-        if self.tool_mode == "auto":
-            first = self._tool_stream.num_calls
-            content, found = self._tool_stream.feed(content, final)
+        if self.tool_mode == "auto" or self.tool_mode == "required":
+            stream = self._tool_stream if self.tool_mode == "auto" else self._required
+            first = stream.num_calls
+            content, found = stream.feed(content, final)
             if found:
                 self.has_calls = True
                 out["tool_calls"] = [c.openai(first + i) for i, c in enumerate(found)]

@@ -83,15 +83,60 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def parse_required(text: str) -> list[ToolCall]:
-    """The calls of a ``tool_choice: "required"`` output (a JSON list, see :func:`required_schema`)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []
-    if not isinstance(items, list):
-        return []
-    calls = [call_from_json(json.dumps(x), "parameters") for x in items]
-    return [c for c in calls if c is not None]
+    """The calls of a finished ``tool_choice: "required"`` output (a JSON list, see :func:`required_schema`):
+    the same as :class:`RequiredCallStream` gives in pieces."""
+    return RequiredCallStream().feed(text, final=True)[1]
+
+
+class RequiredCallStream:
+    """Incremental :func:`parse_required`: one complete call as soon as its object in the list closes.
+
+    The text is scanned once, character by character, for the list's top-level objects (strings and
+    nesting tracked). An object that is not a call is skipped. At the end, an output in which no call
+    closed is passed on whole as content, and one cut off inside a later object passes that object's
+    text on as content (the calls before it are sent already).
+    """
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._depth = 0  # open brackets and braces, the list's own included
+        self._in_string = self._escape = False
+        self._start = -1  # where the top-level object being read began
+        self.num_calls = 0
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """(content, calls) for ``delta``: content only at the end (see the class docstring)."""
+        scanned, text = len(self._text), self._text + delta
+        self._text = text
+        calls: list[ToolCall] = []
+        for i in range(scanned, len(text)):
+            c = text[i]
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "[{":
+                self._depth += 1
+                if self._depth == 2:
+                    self._start = i
+            elif c in "]}":
+                if self._depth == 2 and self._start >= 0:
+                    call = call_from_json(text[self._start : i + 1], "parameters")
+                    if call is not None:
+                        calls.append(call)
+                    self._start = -1
+                self._depth -= 1
+        self.num_calls += len(calls)
+        if not final:
+            return "", calls
+        if self.num_calls == 0:
+            return text, calls
+        return (text[self._start :] if self._start >= 0 else ""), calls
 
 
 class ToolCallStream:

@@ -111,6 +111,31 @@ def test_required_schema_and_its_parser():
     assert parse_required("[{") == []
 
 
+def test_required_calls_stream_as_each_object_closes_and_equal_the_whole_parse():
+    calls = [{"name": "a", "parameters": {"s": "} ] { [ \\\" \u00e9", "n": [1, {"k": []}]}},
+             {"name": "b", "parameters": {}}]
+    text = json.dumps(calls, ensure_ascii=False)
+    first_end = text.index(', {"name": "b"')  # the first object closes just before
+    for cut in (len(text), len(text) - 5):  # whole, and cut off inside the second call
+        whole = ChatOutput(tool_mode="required").message(text[:cut])
+        out = ChatOutput(tool_mode="required")
+        deltas = [(i, out.delta(ch, i == cut - 1)) for i, ch in enumerate(text[:cut])]
+        sent = [(i, c) for i, d in deltas for c in d.get("tool_calls", [])]
+        assert sent[0][0] == first_end - 1  # the first call goes out with the character that closes it
+        assert [c["index"] for _, c in sent] == list(range(len(sent)))
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for _, c in sent]
+        assert got == [(c["name"], c["parameters"]) for c in calls][: len(sent)]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]] == [
+            (c["function"]["name"], c["function"]["arguments"]) for _, c in sent]
+        content = "".join(d.get("content", "") for _, d in deltas)
+        assert content == (whole["content"] or "")
+        assert (len(sent), content) == ((2, "") if cut == len(text) else (1, text[first_end + 2 : cut]))
+        assert out.finish_reason("stop") == "tool_calls"
+    # No call closed: the whole text is the content, as before.
+    assert ChatOutput(tool_mode="required").message('[{"name": "a", "par') == {
+        "role": "assistant", "content": '[{"name": "a", "par'}
+
+
 def test_chat_output_messages_and_deltas():
     text = "<think>\nhmm\n</think>\n\n" + CALL
     msg = ChatOutput(reasoning=True, tool_mode="auto").message(text)

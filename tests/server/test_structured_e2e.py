@@ -156,6 +156,13 @@ def test_forced_tool_calls_parse(client, model):
     for call in r.choices[0].message.tool_calls:
         tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    # Streamed (the same seed): one whole call per delta entry, sent as its object closes; the same calls.
+    chunks = list(client.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER, CLOCK],
+                                                 tool_choice="required", seed=6, max_tokens=300, stream=True))
+    parts = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(p.index, p.function.name, p.function.arguments) for p in parts] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(r.choices[0].message.tool_calls)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.timeout(180)
