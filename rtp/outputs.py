@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 class Logprob(float):
@@ -38,12 +38,50 @@ class Logprob(float):
         return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
 
+class TextSource(Protocol):
+    """What an output's text can follow while its request runs (the request's detokenizer)."""
+
+    @property
+    def text(self) -> str: ...
+
+
+class _Text:
+    """The ``text`` field of the outputs: a str, or a :class:`TextSource` whose text it reads when read.
+
+    While a request runs, the engine points its outputs' text at the detokenizer (:func:`follow_text`) and sets
+    the final str when it ends: a step then never builds the whole text again (that is a copy of every character
+    so far, on every token of every request), only a reader of ``text`` does.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> str:  # noqa: ANN401
+        if obj is None:
+            return ""  # the dataclass default
+        value = obj.__dict__[self.key]
+        return value if type(value) is str else value.text
+
+    def __set__(self, obj: Any, value: str) -> None:  # noqa: ANN401
+        obj.__dict__[self.key] = value
+
+
+def follow_text(out: CompletionOutput | RequestOutput, source: TextSource) -> None:
+    """Make ``out.text`` read ``source.text`` whenever it is read, until :func:`fix_text`."""
+    out.__dict__["_text"] = source
+
+
+def fix_text(out: CompletionOutput | RequestOutput) -> None:
+    """Set ``out.text`` to the text it reads now (the end of :func:`follow_text`)."""
+    out.text = out.text
+
+
 @dataclass
 class CompletionOutput:
     """One sample of a request (vLLM's CompletionOutput, plus the streaming deltas)."""
 
     index: int
-    text: str = ""
+    text: _Text = _Text()
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -67,7 +105,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str = ""
+    text: _Text = _Text()
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[dict[int, float]] | None = None
@@ -127,12 +165,14 @@ def stop_reason(stop_string: str | None, token_ids: list[int], stop_token_ids: C
     return None
 
 
-def _copy(obj: Any, **lists: list | None) -> Any:
-    """A shallow copy of the output ``obj`` with the given fields replaced (a plain ``__dict__`` copy: streams
-    take one per request per step, and ``dataclasses.replace`` costs several times more)."""
+def _copy(obj: Any, **lists: list | None) -> Any:  # noqa: ANN401
+    """A shallow copy of the output ``obj`` with the given fields replaced and its text read now (a plain
+    ``__dict__`` copy: streams take one per request per step, and ``dataclasses.replace`` costs several times
+    more)."""
     new = object.__new__(type(obj))
     new.__dict__.update(obj.__dict__)
     new.__dict__.update(lists)
+    new.__dict__["_text"] = obj.text
     return new
 
 

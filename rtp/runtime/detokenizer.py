@@ -19,7 +19,12 @@ Stop strings: once the text contains one, it is cut just before it and the
 request is stopped. While streaming, the longest tail of the text that could
 still grow into a stop string is held back, so a delta never contains any part
 of a stop string; :meth:`IncrementalDetokenizer.flush` hands the held-back text
-over when the request ends for another reason.
+over when the request ends for another reason. Only the text's last
+``max(len(stop)) - 1`` characters can take part in a later match, so only they
+are searched: the text before them is kept as chunks, joined when
+:attr:`IncrementalDetokenizer.text` is read. A token then costs the same
+whatever the length of the output so far (a string grown by ``+`` is copied
+whole on every token).
 
 The engine does not pass the EOS or stop token that ends a request to
 :meth:`IncrementalDetokenizer.add` (that token stays in ``token_ids`` but never
@@ -127,7 +132,7 @@ class IncrementalDetokenizer:
 
     ``tokenizer`` is a Hugging Face fast tokenizer, or a :class:`TokenDecoder`
     around one (an engine shares one among its requests). The concatenation of
-    every delta returned by :meth:`add` plus :meth:`flush` equals :attr:`text`.
+    every delta returned by :meth:`add` (and :meth:`flush`) is :attr:`text`.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -160,15 +165,26 @@ class IncrementalDetokenizer:
         # text decoded before that can neither match nor be held back.
         self._min_tokens = params.min_tokens
         self._num_added = 0
-        self._stop_floor = 0  # matches must start at or after this index of _text
-        self._text = ""  # decoded output (cut before a stop string once one matched)
-        self._emitted = 0  # characters of _text already returned to the caller
+        self._stop_floor = 0  # matches must start at or after this index of the text
+        # The decoded output (cut before a stop string once one matched) is "".join(_done) + _tail: _tail is
+        # what a later stop string can still overlap (the last max_stop_len - 1 characters; empty without stop
+        # strings) and starts at index _tail_start of the text, whose length is _len.
+        self._done: list[str] = []
+        self._tail = ""
+        self._tail_start = self._len = 0
+        self._text: str | None = ""  # the whole text, joined when read (None: changed since)
+        self._emitted = 0  # characters of the text already returned to the caller
         self.stop_string: str | None = None
         """The stop string that matched, once one did."""
 
     @property
     def text(self) -> str:
-        """The output text decoded so far, held-back text included."""
+        """The output text returned so far: the deltas of :meth:`add` and :meth:`flush` concatenated (the
+        held-back text is not in it until :meth:`flush` or a stop string lets it out, as in vLLM's outputs)."""
+        if self._text is None:
+            done = "".join(self._done)  # all returned: the held-back text is inside the tail
+            self._done = [done]
+            self._text = done + self._tail[: self._emitted - self._tail_start]
         return self._text
 
     @property
@@ -198,8 +214,9 @@ class IncrementalDetokenizer:
             if not new_text:
                 return "", False
         if not self._stop_strings:  # nothing to match or hold back: all of it goes out now
-            self._text = text = self._text + new_text
-            self._emitted = len(text)
+            self._done.append(new_text)
+            self._len = self._emitted = self._tail_start = self._len + len(new_text)
+            self._text = None
             return new_text, False
         return self._append(new_text)
 
@@ -215,8 +232,8 @@ class IncrementalDetokenizer:
             if new_text:
                 out, _ = self._append(new_text)
         if self.stop_string is None:
-            out += self._text[self._emitted :]
-            self._emitted = len(self._text)
+            out += self._tail[self._emitted - self._tail_start :]  # held back: always inside the tail
+            self._emitted, self._text = self._len, None
         return out
 
     def _decode(self, ids: list[int]) -> str:
@@ -250,44 +267,53 @@ class IncrementalDetokenizer:
 
     def _append(self, new_text: str) -> tuple[str, bool]:
         """Append decoded text, check the stop strings, and return what may be emitted."""
-        text = self._text
-        # A new match must end inside new_text, so it starts at most
-        # max_stop_len - 1 characters before it.
-        search_from = max(self._stop_floor, len(text) - self._max_stop_len + 1)
-        self._text = text = text + new_text
-        emitted = self._emitted
-        if not self._stop_strings or self._num_added < self._min_tokens:
-            if self._num_added < self._min_tokens:
-                self._stop_floor = len(text)
-            self._emitted = len(text)
-            return text[emitted:], False
+        # text is the output from index base on: the tail (all a new match can overlap) and new_text.
+        text, base, emitted = self._tail + new_text, self._tail_start, self._emitted
+        end = self._len + len(new_text)
+        # A new match must end inside new_text, so it starts at most max_stop_len - 1 characters before it
+        # (at or after base: the tail holds that many).
+        search_from = max(self._stop_floor, self._len - self._max_stop_len + 1) - base
+        self._text = None
+        if self._num_added < self._min_tokens:  # stop strings do not count yet
+            self._stop_floor = self._emitted = end
+            self._keep(text, base)
+            return text[emitted - base :], False
 
-        match, end, matched = -1, -1, None
+        match, stop_end, matched = -1, -1, None
         for stop in self._stop_strings:
             pos = text.find(stop, search_from)
             if pos >= 0 and (match < 0 or pos < match):
-                match, end, matched = pos, pos + len(stop), stop
+                match, stop_end, matched = pos, pos + len(stop), stop
         if match >= 0:
             self.stop_string = matched
             # Held-back text covers every partial stop string, so nothing
             # emitted so far can belong to this match.
-            assert match >= emitted, (match, emitted)
-            cut = end if self._keep_stop else match  # (text after the stop string is dropped either way)
-            self._text = text[:cut]
-            self._emitted = cut
-            return text[emitted:cut], True
+            assert match + base >= emitted, (match + base, emitted)
+            cut = stop_end if self._keep_stop else match  # (text after the stop string is dropped either way)
+            self._tail, self._len = text[:cut], base + cut
+            self._emitted = self._len
+            return text[emitted - base : cut], True
 
-        safe_end = len(text) - self._partial_stop_len() if text[-1] in self._stop_heads else len(text)
-        assert safe_end >= emitted, (safe_end, emitted)
-        self._emitted = safe_end
-        return text[emitted:safe_end], False
+        safe_end = len(text) - self._partial_stop_len(text) if text[-1] in self._stop_heads else len(text)
+        assert safe_end + base >= emitted, (safe_end + base, emitted)
+        self._emitted = base + safe_end
+        self._keep(text, base)
+        return text[emitted - base : safe_end], False
 
-    def _partial_stop_len(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+    def _keep(self, text: str, base: int) -> None:
+        """Store ``text`` (the output from index ``base`` on) as done chunks and the tail a later match can overlap
+        (the held-back text is always inside it: it is shorter than a stop string)."""
+        cut = max(0, len(text) - max(0, self._max_stop_len - 1))
+        if cut:
+            self._done.append(text[:cut])
+        self._tail, self._tail_start, self._len = text[cut:], base + cut, base + len(text)
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest tail of ``text`` (the output's end) that is a proper prefix of a stop string."""
         longest = 0
         for stop in self._stop_strings:
-            for n in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:n]):
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
                     longest = n
                     break
         return longest

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from rtp.core.sequence import Sequence, SequenceStatus
-from rtp.outputs import CompletionOutput, RequestOutput, stop_reason
+from rtp.outputs import CompletionOutput, RequestOutput, fix_text, follow_text, stop_reason
 from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
 from rtp.runtime.logprobs import name_tokens, top_logprobs
 from rtp.runtime.model_runner import PromptLogits
@@ -104,6 +104,10 @@ class RequestState:
             out: CompletionOutput | RequestOutput = comps[i] if multi else output
             constraint = p.constraint() if p.constraint is not None else None
             detok = IncrementalDetokenizer(decoder, ids, p) if decoder is not None else None
+            if detok is not None:
+                follow_text(out, detok)
+                if i == 0 and multi:  # the request's flat fields are sample 0's
+                    follow_text(output, detok)
             req.samples.append(SampleState(req, seq, detok, out,
                                            PenaltyState() if p.has_penalties else None, constraint, bad_words))
         req.pending_forks = req.samples[1:]
@@ -138,8 +142,12 @@ class OutputProcessor:
             self.full_sample_ids.add(req.request_id)
 
     def finish(self, req: RequestState) -> RequestOutput:
-        """Stop tracking ``req``; returns its final output."""
+        """Stop tracking ``req``; returns its final output (its texts fixed: no longer read from the
+        detokenizers)."""
         req.output.finish_time = time.time()
+        fix_text(req.output)
+        for smp in req.samples:
+            fix_text(smp.out)
         self.requests.pop(req.request_id, None)
         self.full_sample_ids.discard(req.request_id)
         req.pending_forks = []
@@ -234,9 +242,9 @@ class OutputProcessor:
                 out.stop_reason = stop_reason(matched, out.token_ids, req.stop_reason_ids)
             req.num_unfinished -= 1
         if detok is not None:
-            out.new_text, out.text = delta, detok.text
+            out.new_text = delta  # (out.text reads the detokenizer's)
         if out is not request_out and smp is req.samples[0]:  # n > 1: sample 0 is the request's flat fields
-            request_out.text, request_out.new_text, request_out.new_token_ids = out.text, delta, tokens
+            request_out.new_text, request_out.new_token_ids = delta, tokens
         if finished and req.num_unfinished == 0:
             first = req.samples[0]
             request_out.finish_reason, request_out.stop_reason = first.out.finish_reason, first.out.stop_reason

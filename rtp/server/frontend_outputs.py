@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from rtp.outputs import CompletionOutput, RequestOutput, snapshot, stop_reason
+from rtp.outputs import CompletionOutput, RequestOutput, follow_text, snapshot, stop_reason
 from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
 from rtp.sampling import SamplingParams
 from rtp.server.frontend_wire import SampleUpdate
@@ -45,6 +45,10 @@ class FrontendRequest:
             self.output.token_ids, self.output.logprobs = comps[0].token_ids, comps[0].logprobs
         self.samples = [_Sample(comps[i] if self.multi else self.output,
                                 IncrementalDetokenizer(decoder, prompt_token_ids, params)) for i in range(params.n)]
+        for smp in self.samples:  # the texts are read from the detokenizers (snapshots read them once)
+            follow_text(smp.out, smp.detok)
+        if self.multi:  # the request's flat fields are sample 0's
+            follow_text(self.output, self.samples[0].detok)
         self.num_unfinished = params.n
         self.stop_reason_ids = stop_reason_ids  # ModelInfo.stop_reason_ids
         self.stopped_here = False
@@ -92,9 +96,9 @@ class FrontendRequest:
                 out.stop_reason = stop_reason(detok.stop_string, out.token_ids, self.stop_reason_ids)
             smp.done = True
             self.num_unfinished -= 1
-        out.new_text, out.text = delta, detok.text
+        out.new_text = delta
         if out is not request_out and upd.sample == 0:  # n > 1: sample 0 is the request's flat fields
-            request_out.text, request_out.new_text = out.text, delta
+            request_out.new_text = delta
             request_out.new_token_ids = out.new_token_ids
         if self.num_unfinished == 0:
             request_out.finish_reason = self.samples[0].out.finish_reason

@@ -329,3 +329,35 @@ def test_a_checkpoint_without_tokenizer_files_is_refused_at_load(tmp_path):
     assert ModelInfo.load(default_model_dir(), 4096, 64).tokenizer.encode("a b", add_special_tokens=False)
     with pytest.raises(ConfigError, match="notok has no usable tokenizer"):
         ModelInfo.load(folder, 4096, 64)
+
+
+def test_outputs_text_is_current_at_every_step_and_a_plain_str_once_finished(model_dir):
+    """The engine's outputs read their text from the detokenizer while a request runs: at every step ``text`` is
+    the deltas so far (sample 0's in the flat fields for n > 1) and equals a one-shot decode at the end, where it
+    is a str of its own (the output pickles without the detokenizer)."""
+    import pickle
+
+    engine = make_engine(model_dir, {})
+    tok = engine.tokenizer
+    ids = tok.encode(" the cat sat on the mat, and then the dog sat on the cat", add_special_tokens=False)
+    engine.runner.script = {7: ids}
+    stop = tok.decode(ids[8:10])
+    rids = [engine.add_request([7], SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True)),
+            engine.add_request([7], SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True, stop=[stop])),
+            engine.add_request([7], SamplingParams(temperature=0.5, seed=1, n=2, max_tokens=6, ignore_eos=True))]
+    seen = dict.fromkeys(rids, "")
+    finals = {}
+    for _ in range(200):
+        for out in engine.step():
+            seen[out.request_id] += out.new_text
+            assert out.text == seen[out.request_id]
+            if out.samples is not None:
+                assert out.text == out.samples[0].text
+            if out.finished:
+                finals[out.request_id] = pickle.loads(pickle.dumps(out))
+        if not engine.has_unfinished():
+            break
+    plain, cut, multi = (finals[r] for r in rids)
+    assert plain.text == tok.decode(ids) and len(pickle.dumps(plain)) < 10_000
+    assert cut.text == tok.decode(ids).split(stop)[0] and cut.finish_reason == "stop"
+    assert [c.text for c in multi.outputs] == [tok.decode(c.token_ids) for c in multi.outputs]
