@@ -172,7 +172,6 @@ class IncrementalDetokenizer:
         self._done: list[str] = []
         self._tail = ""
         self._tail_start = self._len = 0
-        self._text: str | None = ""  # the whole text, joined when read (None: changed since)
         self._emitted = 0  # characters of the text already returned to the caller
         self.stop_string: str | None = None
         """The stop string that matched, once one did."""
@@ -181,11 +180,11 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """The output text returned so far: the deltas of :meth:`add` and :meth:`flush` concatenated (the
         held-back text is not in it until :meth:`flush` or a stop string lets it out, as in vLLM's outputs)."""
-        if self._text is None:
-            done = "".join(self._done)  # all returned: the held-back text is inside the tail
-            self._done = [done]
-            self._text = done + self._tail[: self._emitted - self._tail_start]
-        return self._text
+        done = self._done  # all of it returned: the held-back text is inside the tail
+        if len(done) > 1:
+            k = len(done)
+            done[:k] = ["".join(done[:k])]  # one slice assignment: a chunk added meanwhile stays after it
+        return (done[0] if done else "") + self._tail[: self._emitted - self._tail_start]
 
     @property
     def stopped(self) -> bool:
@@ -216,7 +215,6 @@ class IncrementalDetokenizer:
         if not self._stop_strings:  # nothing to match or hold back: all of it goes out now
             self._done.append(new_text)
             self._len = self._emitted = self._tail_start = self._len + len(new_text)
-            self._text = None
             return new_text, False
         return self._append(new_text)
 
@@ -233,7 +231,7 @@ class IncrementalDetokenizer:
                 out, _ = self._append(new_text)
         if self.stop_string is None:
             out += self._tail[self._emitted - self._tail_start :]  # held back: always inside the tail
-            self._emitted, self._text = self._len, None
+            self._emitted = self._len
         return out
 
     def _decode(self, ids: list[int]) -> str:
@@ -273,7 +271,6 @@ class IncrementalDetokenizer:
         # A new match must end inside new_text, so it starts at most max_stop_len - 1 characters before it
         # (at or after base: the tail holds that many).
         search_from = max(self._stop_floor, self._len - self._max_stop_len + 1) - base
-        self._text = None
         if self._num_added < self._min_tokens:  # stop strings do not count yet
             self._stop_floor = self._emitted = end
             self._keep(text, base)
@@ -294,7 +291,10 @@ class IncrementalDetokenizer:
             self._emitted = self._len
             return text[emitted - base : cut], True
 
-        safe_end = len(text) - self._partial_stop_len(text) if text[-1] in self._stop_heads else len(text)
+        # Held back: the longest end of the text that may grow into a stop string, never text before the
+        # floor (stop strings do not count there).
+        floor = max(0, self._stop_floor - base)
+        safe_end = len(text) - self._partial_stop_len(text[floor:]) if text[-1] in self._stop_heads else len(text)
         assert safe_end + base >= emitted, (safe_end + base, emitted)
         self._emitted = base + safe_end
         self._keep(text, base)

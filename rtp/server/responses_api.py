@@ -14,9 +14,10 @@ response.completed (or response.incomplete when max_output_tokens ran out), carr
 Response. An error after the stream started is an ``error`` event, and the stream ends there.
 
 With ``include: ["message.output_text.logprobs"]``, the message's ``output_text`` lists the logprobs
-of every generated token (``top_logprobs`` alternatives each), as vLLM's; streamed, each
-response.output_text.delta carries those of the tokens since the one before it (reasoning tokens
-included), and a last delta with no text carries any left when the message ends.
+of every generated token (``top_logprobs`` alternatives each, reasoning tokens included), as vLLM's;
+streamed, each response.output_text.delta carries those of the tokens since the one before it, and a
+last delta with no text those left when the message ends. Tokens generated after the message's
+item closed (a function call after the text, in "auto" mode) are listed only when not streamed.
 """
 
 from __future__ import annotations
@@ -209,9 +210,15 @@ class ResponseWriter:
         events = []
         if self._pending and self._open is not None and self._open["type"] == "message":
             events += self._append("message", "")  # the last tokens' logprobs (their text was held back or empty)
-        events += self._finish_open(status)
-        if not self.items:  # nothing was generated but EOS: an empty message, as a non-streamed answer has
-            events += self._start("message") + self._finish_open(status)
+        # No text and no call (only EOS, or only reasoning): an empty message ends the output, as a non-streamed
+        # answer has, and only it can be incomplete.
+        needs_message = not any(item["type"] in ("message", "function_call") for item in self.items)
+        events += self._finish_open("completed" if needs_message else status)
+        if needs_message:
+            events += self._start("message")
+            if self._pending:
+                events += self._append("message", "")
+            events += self._finish_open(status)
         name = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self.event(name, response=self.response(status, out, reasoning_tokens))]
 

@@ -116,13 +116,16 @@ def test_special_tokens_in_output(tokenizer: PreTrainedTokenizerFast) -> None:
 
 
 def reference_stop(
-    tokenizer: PreTrainedTokenizerFast, ids: list[int], stops: list[str], keep: bool = False
+    tokenizer: PreTrainedTokenizerFast, ids: list[int], stops: list[str], keep: bool = False, min_tokens: int = 0
 ) -> tuple[str, int | None]:
     """Text and stopping token index the way a generation loop would see it, by re-decoding every prefix
-    (``keep``: include_stop_str_in_output, the earliest match's stop string kept, the first listed on a tie)."""
-    for k in range(1, len(ids) + 1):
+    (``keep``: include_stop_str_in_output, the earliest match's stop string kept, the first listed on a tie;
+    ``min_tokens``: stop strings count from that token on, and only where they start after the text before it)."""
+    before = tokenizer.decode(ids[: min_tokens - 1], skip_special_tokens=True) if min_tokens > 1 else ""
+    floor = len(before.rstrip("\ufffd"))
+    for k in range(max(1, min_tokens), len(ids) + 1):
         text = tokenizer.decode(ids[:k], skip_special_tokens=True)
-        found = [(text.find(s), i) for i, s in enumerate(stops) if s in text]
+        found = [(text.find(s, floor), i) for i, s in enumerate(stops) if text.find(s, floor) >= 0]
         if found:
             pos, i = min(found)
             return text[: pos + len(stops[i]) if keep else pos], k - 1
@@ -181,14 +184,25 @@ def test_random_stop_strings_match_reference(tokenizer: PreTrainedTokenizerFast)
             else:
                 stops.append(random_text(rng, 2).strip() or "x")
         keep = rng.random() < 0.5
-        params = SamplingParams(stop=stops, include_stop_str_in_output=keep)
+        min_tokens = rng.choice([0, 0, 2, 3, 5])
+        params = SamplingParams(stop=stops, include_stop_str_in_output=keep, min_tokens=min_tokens)
         detok, deltas, stopped_at = stream(tokenizer, ids, params)
-        expected_text, expected_index = reference_stop(tokenizer, ids, stops, keep)
-        assert (detok.text, stopped_at) == (expected_text, expected_index), (text, stops, keep)
+        expected_text, expected_index = reference_stop(tokenizer, ids, stops, keep, min_tokens)
+        assert (detok.text, stopped_at) == (expected_text, expected_index), (text, stops, keep, min_tokens)
         assert "".join(deltas) == detok.text
         assert detok.stopped == (expected_index is not None)
         # No emitted text contains any part of the stop string that matched.
         assert "".join(deltas) == expected_text
+
+
+def test_a_partial_stop_string_begun_before_min_tokens_is_not_held_back(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Text before the min_tokens point cannot be part of a stop string: once emitted it stays emitted, even when
+    the next token would complete a stop string that started before that point."""
+    ids = [tokenizer.convert_tokens_to_ids(c) for c in "abcdabc"]
+    assert tokenizer.decode(ids) == "abcdabc"
+    detok, deltas, stopped_at = stream(tokenizer, ids, SamplingParams(stop=["abc"], min_tokens=2))
+    assert deltas[:2] == ["a", "b"] and stopped_at == 6 and detok.text == "abcd"
+    assert (detok.text, stopped_at) == reference_stop(tokenizer, ids, ["abc"], min_tokens=2)
 
 
 def test_add_after_stop_is_inert(tokenizer: PreTrainedTokenizerFast) -> None:

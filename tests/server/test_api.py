@@ -474,7 +474,7 @@ def test_a_slow_tokenization_does_not_block_the_event_loop(served):
     time.sleep(0.3)  # the request is being tokenized now
     t0 = time.monotonic()
     assert client.get("/health").status_code == 200
-    assert time.monotonic() - t0 < 0.5  # answered while the tokenizer works, not after it
+    assert time.monotonic() - t0 < 1.0  # answered while the tokenizer works (1.2 s more), not after it
     t.join(30)
     assert slow["r"].status_code == 200 and slow["r"].json()["usage"]["completion_tokens"] == 2
 

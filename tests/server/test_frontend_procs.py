@@ -11,7 +11,9 @@ from pathlib import Path
 from rtp.server.frontend_procs import METRICS_DIR_PREFIX, metrics_dir
 
 
-def test_metrics_dirs_of_dead_runs_are_removed_and_live_ones_kept():
+def test_metrics_dirs_of_dead_runs_are_removed_and_live_ones_kept(tmp_path, monkeypatch):
+    # A temp directory of its own: a server started by a test running beside this one cleans the shared one.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     tmp = Path(tempfile.gettempdir())
     stale = tmp / f"{METRICS_DIR_PREFIX}{int(dead.stdout)}_test"

@@ -197,3 +197,42 @@ def test_an_item_cut_off_by_max_output_tokens_is_incomplete_and_the_ones_before_
         {"id": "call_2", "function": {"name": "f", "arguments": '{"a'}}]}, "incomplete")
     assert [(i["type"], i["status"]) for i in items] == [("reasoning", "completed"), ("function_call", "completed"),
                                                          ("function_call", "incomplete")]
+
+
+@pytest.mark.parametrize("text", ["<think>plan it</think>Hello there.", "<think>just thinking</think>", ""])
+def test_streamed_and_full_responses_have_the_same_items_and_logprobs(tokenizer, text):
+    """Reasoning then text, reasoning only (an empty message follows, as in a full response), nothing but EOS."""
+    from rtp.outputs import RequestOutput
+    from rtp.server.responses import ResponseBuilder
+
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    lps = [{t: -0.5 - i} for i, t in enumerate(ids)]
+    req = ResponsesRequest(input="x", include=["message.output_text.logprobs"])
+
+    def writer_() -> ResponseWriter:
+        return ResponseWriter(req, "resp_1", MODEL, 3, ChatOutput(reasoning=True), SamplingParams(),
+                              ResponseBuilder("chat.completion", "r", MODEL, tokenizer, 3, 0))
+
+    full = writer_()
+    out = RequestOutput("r", None, [1], text=text, token_ids=ids, logprobs=lps, finish_reason="stop")
+    items = full.items_of(full.output.message(text), "completed", out)
+    streamed, events = writer_(), []
+    for k in range(1, len(ids) + 1):  # one token a step; the EOS adds no text
+        new = tokenizer.decode(ids[:k], skip_special_tokens=True)[len(tokenizer.decode(ids[: k - 1],
+                                                                                         skip_special_tokens=True)):]
+        step = RequestOutput("r", None, [1], token_ids=ids[:k], logprobs=lps[:k], new_text=new,
+                             finish_reason="stop" if k == len(ids) else None)
+        streamed.take_logprobs(step)
+        events += parse(streamed.delta_events(streamed.output.delta(step.new_text, step.finished)))
+        if step.finished:
+            events += parse(streamed.closing(step, 0))
+
+    def shape(items: list[dict]) -> list[tuple]:
+        return [(i["type"], i["status"], json.dumps(i.get("content"))) for i in items]
+
+    assert shape(streamed.items) == shape(items)
+    message = [i for i in items if i["type"] == "message"]
+    assert len(message) == 1 and [e["logprob"] for e in message[0]["content"][0]["logprobs"]] == [
+        -0.5 - i for i in range(len(ids))]
+    deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert deltas == message[0]["content"][0]["logprobs"]
