@@ -16,7 +16,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Two tests at a time (pytest-xdist): a multi-rank test spends much of its time in start-up and waits
 # with one core or none busy, so a second test fills the gaps (the suite takes ~0.8x the time).
 # RTP_TEST_WORKERS=0 runs the tests one after the other.
-WORKERS="${RTP_TEST_WORKERS:-$(( $(nproc) < 2 ? $(nproc) : 2 ))}"
+# (nproc without the OMP variables: GNU nproc reports OMP_NUM_THREADS, set to 1 above, as the core count)
+CORES="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
+WORKERS="${RTP_TEST_WORKERS:-$(( CORES < 2 ? CORES : 2 ))}"
 XDIST=()
 if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist worksteal); fi
 exec "$VENV/bin/python" -m pytest "${XDIST[@]}" "$@"
