@@ -168,10 +168,10 @@ class IncrementalDetokenizer:
         self._stop_floor = 0  # matches must start at or after this index of the text
         # The decoded output (cut before a stop string once one matched) is "".join(_done) + _tail: _tail is
         # what a later stop string can still overlap (the last max_stop_len - 1 characters; empty without stop
-        # strings) and starts at index _tail_start of the text, whose length is _len.
+        # strings) and starts at index _tail_start of the text.
         self._done: list[str] = []
         self._tail = ""
-        self._tail_start = self._len = 0
+        self._tail_start = 0
         self._emitted = 0  # characters of the text already returned to the caller
         self.stop_string: str | None = None
         """The stop string that matched, once one did."""
@@ -214,7 +214,7 @@ class IncrementalDetokenizer:
                 return "", False
         if not self._stop_strings:  # nothing to match or hold back: all of it goes out now
             self._done.append(new_text)
-            self._len = self._emitted = self._tail_start = self._len + len(new_text)
+            self._emitted = self._tail_start = self._tail_start + len(new_text)  # (the tail stays empty)
             return new_text, False
         return self._append(new_text)
 
@@ -231,7 +231,7 @@ class IncrementalDetokenizer:
                 out, _ = self._append(new_text)
         if self.stop_string is None:
             out += self._tail[self._emitted - self._tail_start :]  # held back: always inside the tail
-            self._emitted = self._len
+            self._emitted = self._tail_start + len(self._tail)
         return out
 
     def _decode(self, ids: list[int]) -> str:
@@ -267,10 +267,10 @@ class IncrementalDetokenizer:
         """Append decoded text, check the stop strings, and return what may be emitted."""
         # text is the output from index base on: the tail (all a new match can overlap) and new_text.
         text, base, emitted = self._tail + new_text, self._tail_start, self._emitted
-        end = self._len + len(new_text)
+        end = base + len(text)
         # A new match must end inside new_text, so it starts at most max_stop_len - 1 characters before it
         # (at or after base: the tail holds that many).
-        search_from = max(self._stop_floor, self._len - self._max_stop_len + 1) - base
+        search_from = max(self._stop_floor, base + len(self._tail) - self._max_stop_len + 1) - base
         if self._num_added < self._min_tokens:  # stop strings do not count yet
             self._stop_floor = self._emitted = end
             self._keep(text, base)
@@ -287,8 +287,8 @@ class IncrementalDetokenizer:
             # emitted so far can belong to this match.
             assert match + base >= emitted, (match + base, emitted)
             cut = stop_end if self._keep_stop else match  # (text after the stop string is dropped either way)
-            self._tail, self._len = text[:cut], base + cut
-            self._emitted = self._len
+            self._tail = text[:cut]
+            self._emitted = base + cut
             return text[emitted - base : cut], True
 
         # Held back: the longest end of the text that may grow into a stop string, never text before the
@@ -306,7 +306,7 @@ class IncrementalDetokenizer:
         cut = max(0, len(text) - max(0, self._max_stop_len - 1))
         if cut:
             self._done.append(text[:cut])
-        self._tail, self._tail_start, self._len = text[cut:], base + cut, base + len(text)
+        self._tail, self._tail_start = text[cut:], base + cut
 
     def _partial_stop_len(self, text: str) -> int:
         """Length of the longest tail of ``text`` (the output's end) that is a proper prefix of a stop string."""

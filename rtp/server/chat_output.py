@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from rtp.server.reasoning import ReasoningStream, split_reasoning
-from rtp.server.tools import RequiredCallStream, ToolCall, ToolCallStream, parse_tool_calls
+from rtp.server.tools import RequiredCallStream, ToolCall, ToolCallStream, parse_required, parse_tool_calls
 
 ToolMode = Literal["none", "auto", "required", "named"]
 
@@ -45,8 +45,7 @@ class ChatOutput:
         if self.tool_mode == "auto" and content is not None:
             content, calls = parse_tool_calls(content)
         elif self.tool_mode == "required":
-            content, calls = RequiredCallStream().feed(text, final=True)
-            content = content or None
+            content, calls = parse_required(text)
         elif self.tool_mode == "named":
             calls, content = [ToolCall(self.tool_name or "", text)], None
         msg["content"] = content if content is not None or calls else ""  # null only beside tool calls

@@ -208,17 +208,13 @@ class ResponseWriter:
     def closing(self, out: RequestOutput, reasoning_tokens: int) -> list[str]:
         status = self.status_of(out)
         events = []
+        if not any(item["type"] in ("message", "function_call") for item in self.items):
+            # No text and no call (only EOS, or only reasoning): an empty message ends the output, as a
+            # non-streamed answer has (the open item, if any, completes), and only it can be incomplete.
+            events += self._start("message")
         if self._pending and self._open is not None and self._open["type"] == "message":
             events += self._append("message", "")  # the last tokens' logprobs (their text was held back or empty)
-        # No text and no call (only EOS, or only reasoning): an empty message ends the output, as a non-streamed
-        # answer has, and only it can be incomplete.
-        needs_message = not any(item["type"] in ("message", "function_call") for item in self.items)
-        events += self._finish_open("completed" if needs_message else status)
-        if needs_message:
-            events += self._start("message")
-            if self._pending:
-                events += self._append("message", "")
-            events += self._finish_open(status)
+        events += self._finish_open(status)
         name = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self.event(name, response=self.response(status, out, reasoning_tokens))]
 

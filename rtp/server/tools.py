@@ -82,10 +82,11 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     return (content if content.strip() else None), calls
 
 
-def parse_required(text: str) -> list[ToolCall]:
-    """The calls of a finished ``tool_choice: "required"`` output (a JSON list, see :func:`required_schema`):
-    the same as :class:`RequiredCallStream` gives in pieces."""
-    return RequiredCallStream().feed(text, final=True)[1]
+def parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished ``tool_choice: "required"`` output (a JSON list, see
+    :func:`required_schema`): the same as :class:`RequiredCallStream` gives in pieces."""
+    content, calls = RequiredCallStream().feed(text, final=True)
+    return content or None, calls
 
 
 class RequiredCallStream:

@@ -106,9 +106,9 @@ def test_required_schema_and_its_parser():
     for bad in ([], [{"name": "c", "parameters": {}}], [{"name": "a", "parameters": {"x": "no"}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    calls = parse_required(json.dumps(good))
+    content, calls = parse_required(json.dumps(good))
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
-    assert parse_required("[{") == []
+    assert content is None and parse_required("[{") == ("[{", [])
 
 
 def test_required_calls_stream_as_each_object_closes_and_equal_the_whole_parse():
