@@ -193,9 +193,11 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
-        """Stop watching (a clean shutdown is under way: peers exiting is expected). Idempotent."""
+        """Stop watching (a clean shutdown: peers exiting is expected); the thread is gone after. Idempotent."""
         self._stop.set()
         self._wake.set()
+        if self._thread.ident is not None and self._thread is not threading.current_thread() and self.failure is None:
+            self._thread.join(5.0)  # a check under way ends and reports nothing (no wait on a failure's handler)
         if self._armed and threading.current_thread() is threading.main_thread():
             set_parent_death_signal(0)
             signal.signal(PARENT_DEATH_SIGNAL, self._old_hup)

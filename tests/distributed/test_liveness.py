@@ -104,6 +104,7 @@ def test_watchdog_reports_a_dead_peer_once_and_stop_silences_it():
     calls = Recorder()
     dog2 = Watchdog(0, {1: quiet.pid}, calls, interval_s=0.05).start()
     dog2.stop()
+    assert not dog2._thread.is_alive()  # gone when stop() returns: a script may init again and count threads
     quiet.wait()
     time.sleep(0.3)
     assert calls.failures == [] and dog2.abort_reason() is None
