@@ -191,3 +191,80 @@ def snapshot(out: RequestOutput) -> RequestOutput:
         prompt_logprobs=None if out.prompt_logprobs is None else list(out.prompt_logprobs),
         samples=None if out.samples is None else [_copy_sample(c) for c in out.samples],
     )
+
+
+class _Pieces:
+    """A :class:`TextSource` built from pieces, joined when read (a stream's text, see :func:`merge`)."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, first: str) -> None:
+        self.pieces = [first]
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0]
+
+
+def delta(out: RequestOutput) -> RequestOutput:
+    """What the last step added to ``out``, for a stream whose reader builds the rest with :func:`merge`.
+
+    A copy of ``out`` whose ``token_ids``, ``logprobs`` and ``text`` hold only the step's tokens, their logprobs
+    and its text (``new_token_ids``, ``new_text``): it costs the step's size, where :func:`snapshot` copies the
+    whole output, on every step of every stream. Every step's output of the request must reach :func:`merge`.
+    """
+    plp = out.prompt_logprobs  # filled in place while the prompt is read in chunks
+    return _step_part(out, prompt_logprobs=None if plp is None else list(plp),
+                      samples=None if out.samples is None else [_step_part(c) for c in out.samples])
+
+
+def merge(built: RequestOutput | None, part: RequestOutput) -> RequestOutput:
+    """Add a :func:`delta` to the output built from the ones before (None for the first); returns it.
+
+    The result is the output :func:`snapshot` would have taken at that step, updated in place at each call.
+    """
+    if built is None:
+        built = part
+        growing: list[CompletionOutput | RequestOutput] = [built] if built.samples is None else list(built.samples)
+        for c in growing:
+            c.token_ids = list(c.token_ids)
+            c.__dict__["_text"] = _Pieces(c.__dict__["_text"])
+    elif built.samples is None:
+        _add_part(built, part)
+    else:
+        samples = built.samples
+        built.__dict__.update(part.__dict__)  # the request's finish, times and flat deltas
+        for c, p in zip(samples, part.samples or ()):
+            _add_part(c, p)
+        built.samples = samples
+    if built.samples is not None:  # the flat fields are sample 0's
+        first = built.samples[0]
+        built.__dict__.update(token_ids=first.token_ids, logprobs=first.logprobs, _text=first.__dict__["_text"])
+    if built.finished:
+        fix_text(built)
+        for c in built.samples or ():
+            fix_text(c)
+    return built
+
+
+def _step_part(obj: Any, **extra: Any) -> Any:  # noqa: ANN401
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    step = list(obj.new_token_ids)
+    lps = obj.logprobs
+    new.__dict__.update(token_ids=step, new_token_ids=step, _text=obj.new_text,
+                        logprobs=None if lps is None else lps[len(lps) - len(step):], **extra)
+    return new
+
+
+def _add_part(built: Any, part: Any) -> None:  # noqa: ANN401
+    """Everything but the growing fields is the part's (the step's finish, times, deltas)."""
+    tokens, lps, text = built.token_ids, built.logprobs, built.__dict__["_text"]
+    built.__dict__.update(part.__dict__)
+    tokens.extend(part.token_ids)
+    if lps is not None and part.logprobs is not None:
+        lps.extend(part.logprobs)
+    text.pieces.append(part.__dict__["_text"])
+    built.__dict__.update(token_ids=tokens, logprobs=lps, _text=text)

@@ -161,7 +161,9 @@ class OutputProcessor:
         for smp in req.samples:
             if smp.out.finish_reason is None:
                 smp.out.finish_reason = "abort"
+            smp.out.new_text, smp.out.new_token_ids = "", []  # the abort adds nothing
         req.output.finish_reason, req.output.error = "abort", message
+        req.output.new_text, req.output.new_token_ids = "", []
         return self.finish(req)
 
     def process(self, seqs: list[Sequence], tokens: list[int], logprobs: list[dict[int, float] | None],

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from rtp.errors import RequestError, RtpError, WorkerDiedError
 from rtp.log import get_logger
-from rtp.outputs import RequestOutput, snapshot
+from rtp.outputs import RequestOutput, delta, merge
 from rtp.sampling import SamplingParams
 from rtp.server.activity import ActivityLog
 
@@ -95,7 +95,11 @@ class ServingEngine(StreamOwner, Protocol):
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator; ``close()`` aborts it if unfinished."""
+    """The outputs of one request, as an async iterator; ``close()`` aborts it if unfinished.
+
+    Each step yields the same output object, updated (as the engine updates its own): a step costs the stream
+    what the step added, whatever the output's length. Keep one with :func:`rtp.outputs.snapshot`.
+    """
 
     def __init__(self, owner: StreamOwner, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
@@ -104,9 +108,10 @@ class RequestStream:
         self.finished = False
         self.closed = False
         self._owner = owner
+        self._output: RequestOutput | None = None  # built from the deltas, on the loop's thread
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """Deliver an output or an error from any thread."""
+        """Deliver a step's :func:`~rtp.outputs.delta` of the output, or an error, from any thread."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -122,9 +127,10 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        if item.finished:
+        self._output = out = merge(self._output, item)
+        if out.finished:
             self.finished = True
-        return item
+        return out
 
     def close(self) -> None:
         """Stop listening; abort the request in the engine unless it already finished. Idempotent."""
@@ -320,4 +326,4 @@ class AsyncEngine:
             # Without a runtime failure, a request-level error is the engine refusing this request.
             stream.put(EngineDeadError(out.error) if self.failure else RequestError(out.error))
         else:
-            stream.put(snapshot(out))
+            stream.put(delta(out))

@@ -330,4 +330,4 @@ class EngineClient:
                 self._drop(handle)
                 if req.stopped_here:  # a stop string matched here: the engine still runs the request
                     self._send(conn, encode_abort([handle]))
-            stream.put(req.snapshot())
+            stream.put(req.delta())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from rtp.outputs import CompletionOutput, RequestOutput, follow_text, snapshot, stop_reason
+from rtp.outputs import CompletionOutput, RequestOutput, delta, follow_text, stop_reason
 from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
 from rtp.sampling import SamplingParams
 from rtp.server.frontend_wire import SampleUpdate
@@ -120,6 +120,7 @@ class FrontendRequest:
 
     def abort(self, message: str | None) -> None:
         """End every unfinished sample with "abort" (the engine refused or lost the request)."""
+        self.begin_step()  # the abort adds nothing
         for smp in self.samples:
             if not smp.done:
                 smp.out.finish_reason, smp.done = "abort", True
@@ -127,6 +128,6 @@ class FrontendRequest:
         self.output.finish_reason, self.output.error = "abort", message
         self.output.finish_time = time.time()
 
-    def snapshot(self) -> RequestOutput:
-        """A copy for the request's stream (later updates change this object in place)."""
-        return snapshot(self.output)
+    def delta(self) -> RequestOutput:
+        """What the last OUTPUTS frame added, for the request's stream (see :func:`rtp.outputs.delta`)."""
+        return delta(self.output)

@@ -16,6 +16,7 @@ import torch
 
 from rtp.config import ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.errors import ConfigError, RequestError
+from rtp.outputs import RequestOutput, delta, merge, snapshot
 from rtp.runtime.batch import BatchMirror
 from rtp.runtime.engine import Engine
 from rtp.runtime.input_processor import truncate_prompt
@@ -361,3 +362,38 @@ def test_outputs_text_is_current_at_every_step_and_a_plain_str_once_finished(mod
     assert plain.text == tok.decode(ids) and len(pickle.dumps(plain)) < 10_000
     assert cut.text == tok.decode(ids).split(stop)[0] and cut.finish_reason == "stop"
     assert [c.text for c in multi.outputs] == [tok.decode(c.token_ids) for c in multi.outputs]
+
+
+def test_a_stream_built_from_the_steps_deltas_equals_the_snapshots(model_dir):
+    """The server's streams get each step's delta only (rtp.outputs.delta) and build the output from them
+    (merge): at every step the built output equals a whole copy (snapshot) of the engine's, for n = 1 and 2,
+    logprobs, a stop string, max_tokens and an abort; once finished its texts are plain strs."""
+    engine = make_engine(model_dir, {})
+    tok = engine.tokenizer
+    ids = tok.encode(" the cat sat on the mat, and then the dog sat on the cat", add_special_tokens=False)
+    engine.runner.script = {7: ids}
+    stop = tok.decode(ids[8:10])
+    kw = dict(max_tokens=len(ids), ignore_eos=True)
+    rids = [engine.add_request([7], SamplingParams(temperature=0, **kw)),
+            engine.add_request([7], SamplingParams(temperature=0, stop=[stop], logprobs=2, **kw)),
+            engine.add_request([7], SamplingParams(temperature=0.5, seed=1, n=2, logprobs=1, **kw)),
+            engine.add_request([7], SamplingParams(temperature=0.5, seed=2, n=2, max_tokens=3, stop=[stop])),
+            engine.add_request([7], SamplingParams(temperature=0, **kw))]
+    built: dict[str, RequestOutput] = {}
+    steps = 0
+    for steps in range(1, 200):
+        for out in engine.step():
+            got = built[out.request_id] = merge(built.get(out.request_id), delta(out))
+            want = snapshot(out)
+            assert got == want and got.outputs == want.outputs, (steps, out.request_id)
+            if got.samples is not None:
+                assert got.token_ids is got.samples[0].token_ids and got.text == got.samples[0].text
+        if steps == 4:
+            engine.abort(rids[4])
+        if not engine.has_unfinished():
+            break
+    assert set(built) == set(rids) and all(o.finished for o in built.values()) and steps > 5
+    assert built[rids[4]].finish_reason == "abort" and 0 < len(built[rids[4]].token_ids) < len(ids)
+    assert built[rids[1]].finish_reason == "stop" and built[rids[0]].text == tok.decode(ids)
+    for out in built.values():
+        assert all(type(c.__dict__["_text"]) is str for c in [out, *(out.samples or ())])

@@ -8,7 +8,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from rtp.outputs import Logprob
+from rtp.outputs import Logprob, merge, snapshot
 from rtp.runtime.detokenizer import TokenDecoder
 from rtp.runtime.model_info import GENERATION_CONFIG, ModelInfo
 from rtp.sampling import SamplingParams
@@ -99,12 +99,16 @@ def _request(info: ModelInfo, prompt: list[int], params: SamplingParams) -> Fron
 
 
 def _feed(req: FrontendRequest, tokens: list[int], reason_last: str | None, per_step: int = 1) -> str:
-    streamed = ""
+    """Apply ``tokens`` ``per_step`` at a time; returns the streamed text. At each step the output a stream
+    builds from the deltas (what a frontend sends its streams) equals a whole copy of the request's."""
+    streamed, built = "", None
     for i in range(0, len(tokens), per_step):
         chunk = tokens[i : i + per_step]
         req.begin_step()
         req.apply(SampleUpdate(1, 0, chunk, reason_last if i + per_step >= len(tokens) else None, 0), 0.0)
         streamed += req.output.new_text
+        built = merge(built, req.delta())
+        assert built == snapshot(req.output)
         if req.finished:
             break
     return streamed
