@@ -15,10 +15,13 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$VENV/bin/mypy"  # rtp/, configured in setup.cfg; any error fails the run
 # Two tests at a time (pytest-xdist): a multi-rank test spends much of its time in start-up and waits
 # with one core or none busy, so a second test fills the gaps (the suite takes ~0.8x the time).
+# Each file's tests run on one worker, in their order (--dist loadfile): a file's module-scoped servers
+# start once, and tests written to run last in their file (a SIGTERM to the server) do; work stealing
+# could run a test after them on a server they had stopped.
 # RTP_TEST_WORKERS=0 runs the tests one after the other.
 # (nproc without the OMP variables: GNU nproc reports OMP_NUM_THREADS, set to 1 above, as the core count)
 CORES="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
 WORKERS="${RTP_TEST_WORKERS:-$(( CORES < 2 ? CORES : 2 ))}"
 XDIST=()
-if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist worksteal); fi
+if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadfile); fi
 exec "$VENV/bin/python" -m pytest "${XDIST[@]}" "$@"
