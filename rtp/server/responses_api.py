@@ -215,6 +215,12 @@ class ResponseWriter:
         if self._pending and self._open is not None and self._open["type"] == "message":
             events += self._append("message", "")  # the last tokens' logprobs (their text was held back or empty)
         events += self._finish_open(status)
+        message = next((i for i in reversed(self.items) if i["type"] == "message"), None)
+        if self._pending and message is not None:
+            # Tokens after the message item closed (a function call): the final Response lists them on the
+            # message, as a full one does (its events are sent already).
+            message["content"][0]["logprobs"] += self._pending
+            self._pending = []
         name = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self.event(name, response=self.response(status, out, reasoning_tokens))]
 

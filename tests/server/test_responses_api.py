@@ -199,9 +199,12 @@ def test_an_item_cut_off_by_max_output_tokens_is_incomplete_and_the_ones_before_
                                                          ("function_call", "incomplete")]
 
 
-@pytest.mark.parametrize("text", ["<think>plan it</think>Hello there.", "<think>just thinking</think>", ""])
+@pytest.mark.parametrize("text", ["<think>plan it</think>Hello there.", "<think>just thinking</think>", "",
+                                  'Let me look.<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'])
 def test_streamed_and_full_responses_have_the_same_items_and_logprobs(tokenizer, text):
-    """Reasoning then text, reasoning only (an empty message follows, as in a full response), nothing but EOS."""
+    """Reasoning then text, reasoning only (an empty message follows, as in a full response), nothing but EOS,
+    text then a function call (the call's tokens come after the message item closed: the final Response lists
+    them on the message, as a full one does)."""
     from rtp.outputs import RequestOutput
     from rtp.server.responses import ResponseBuilder
 
@@ -210,7 +213,7 @@ def test_streamed_and_full_responses_have_the_same_items_and_logprobs(tokenizer,
     req = ResponsesRequest(input="x", include=["message.output_text.logprobs"])
 
     def writer_() -> ResponseWriter:
-        return ResponseWriter(req, "resp_1", MODEL, 3, ChatOutput(reasoning=True), SamplingParams(),
+        return ResponseWriter(req, "resp_1", MODEL, 3, ChatOutput(reasoning=True, tool_mode="auto"), SamplingParams(),
                               ResponseBuilder("chat.completion", "r", MODEL, tokenizer, 3, 0))
 
     full = writer_()
@@ -228,11 +231,15 @@ def test_streamed_and_full_responses_have_the_same_items_and_logprobs(tokenizer,
             events += parse(streamed.closing(step, 0))
 
     def shape(items: list[dict]) -> list[tuple]:
-        return [(i["type"], i["status"], json.dumps(i.get("content"))) for i in items]
+        return [(i["type"], i["status"], json.dumps(i.get("content")), i.get("arguments")) for i in items]
 
     assert shape(streamed.items) == shape(items)
+    assert [i["type"] for i in items] == ["message", "function_call"] if "tool_call" in text else True
     message = [i for i in items if i["type"] == "message"]
     assert len(message) == 1 and [e["logprob"] for e in message[0]["content"][0]["logprobs"]] == [
         -0.5 - i for i in range(len(ids))]
+    final = events[-1]["response"]["output"]
+    assert shape(final) == shape(items)  # the response.completed event's Response
     deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
-    assert deltas == message[0]["content"][0]["logprobs"]
+    listed = message[0]["content"][0]["logprobs"]
+    assert deltas == listed[: len(deltas)] and (len(deltas) == len(listed)) == ("tool_call" not in text)
