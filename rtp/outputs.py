@@ -146,7 +146,9 @@ class RequestOutput:
     @property
     def num_completion_tokens(self) -> int:
         """Generated tokens summed over the samples (OpenAI's usage.completion_tokens)."""
-        return sum(len(c.token_ids) for c in self.outputs)
+        if self.samples is None:
+            return len(self.token_ids)  # (outputs would read the text)
+        return sum(len(c.token_ids) for c in self.samples)
 
 
 def cumulative_logprob(token_ids: list[int], logprobs: list[dict[int, float]] | None) -> float | None:
@@ -215,8 +217,10 @@ def delta(out: RequestOutput) -> RequestOutput:
     and its text (``new_token_ids``, ``new_text``): it costs the step's size, where :func:`snapshot` copies the
     whole output, on every step of every stream. Every step's output of the request must reach :func:`merge`.
     """
-    plp = out.prompt_logprobs  # filled in place while the prompt is read in chunks
-    return _step_part(out, prompt_logprobs=None if plp is None else list(plp),
+    plp = out.prompt_logprobs  # filled in place while the prompt is read in chunks, final at the first token
+    if plp is not None and len(out.token_ids) == len(out.new_token_ids):
+        plp = list(plp)  # the first delivery
+    return _step_part(out, prompt_logprobs=plp,
                       samples=None if out.samples is None else [_step_part(c) for c in out.samples])
 
 

@@ -3,10 +3,11 @@
 ``Engine.step`` must be called from one thread, and it blocks for the length
 of a forward pass, so it cannot run on the server's event loop. The engine
 thread steps while any request is unfinished (continuous batching across HTTP
-requests) and sleeps on an Event when idle. Every output is copied (the engine
-mutates its RequestOutput objects in place step after step) and handed to the
-event loop with ``loop.call_soon_threadsafe`` into the request's own
-``asyncio.Queue``.
+requests) and sleeps on an Event when idle. What each step added to an output is copied
+(:func:`rtp.outputs.delta`: the engine mutates its RequestOutput objects in
+place step after step) and handed to the event loop with
+``loop.call_soon_threadsafe`` into the request's own ``asyncio.Queue``; the
+stream builds the output from those (:func:`rtp.outputs.merge`).
 
 A consumer that stops early (a client disconnected, a task was cancelled)
 closes its :class:`RequestStream`, which aborts the request in the engine so

@@ -45,7 +45,7 @@ class FrontendRequest:
             self.output.token_ids, self.output.logprobs = comps[0].token_ids, comps[0].logprobs
         self.samples = [_Sample(comps[i] if self.multi else self.output,
                                 IncrementalDetokenizer(decoder, prompt_token_ids, params)) for i in range(params.n)]
-        for smp in self.samples:  # the texts are read from the detokenizers (snapshots read them once)
+        for smp in self.samples:  # the texts are read from the detokenizers (a stream gets the new text only)
             follow_text(smp.out, smp.detok)
         if self.multi:  # the request's flat fields are sample 0's
             follow_text(self.output, self.samples[0].detok)
