@@ -67,13 +67,21 @@ class _Text:
 
 
 def follow_text(out: CompletionOutput | RequestOutput, source: TextSource) -> None:
-    """Make ``out.text`` read ``source.text`` whenever it is read, until :func:`fix_text`."""
+    """Make ``out.text`` read ``source.text`` whenever it is read, until :func:`fix_text` (a copy, deep copy
+    or pickle of ``out`` takes the text as it reads then, never the source)."""
     out.__dict__["_text"] = source
 
 
 def fix_text(out: CompletionOutput | RequestOutput) -> None:
     """Set ``out.text`` to the text it reads now (the end of :func:`follow_text`)."""
     out.text = out.text
+
+
+def _state(out: Any) -> dict[str, Any]:  # noqa: ANN401
+    """What copy, deepcopy and pickle take of an output: its fields, the text as read now (not its source)."""
+    state = dict(out.__dict__)
+    state["_text"] = out.text
+    return state
 
 
 @dataclass
@@ -88,6 +96,8 @@ class CompletionOutput:
     new_text: str = ""  # text added by the last step that changed this request
     new_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None  # see stop_reason()
+
+    __getstate__ = _state
 
     @property
     def finished(self) -> bool:
@@ -125,6 +135,8 @@ class RequestOutput:
     """What ended a "stop": the stop string that matched, or the stop token id (a generation config's EOS id
     too); None otherwise (the tokenizer's EOS, a completed grammar, another finish reason). As vLLM's
     CompletionOutput.stop_reason."""
+
+    __getstate__ = _state
 
     @property
     def finished(self) -> bool:

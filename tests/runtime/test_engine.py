@@ -336,6 +336,7 @@ def test_outputs_text_is_current_at_every_step_and_a_plain_str_once_finished(mod
     """The engine's outputs read their text from the detokenizer while a request runs: at every step ``text`` is
     the deltas so far (sample 0's in the flat fields for n > 1) and equals a one-shot decode at the end, where it
     is a str of its own (the output pickles without the detokenizer)."""
+    import copy
     import pickle
 
     engine = make_engine(model_dir, {})
@@ -347,7 +348,7 @@ def test_outputs_text_is_current_at_every_step_and_a_plain_str_once_finished(mod
             engine.add_request([7], SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True, stop=[stop])),
             engine.add_request([7], SamplingParams(temperature=0.5, seed=1, n=2, max_tokens=6, ignore_eos=True))]
     seen = dict.fromkeys(rids, "")
-    finals = {}
+    finals, copies = {}, []
     for _ in range(200):
         for out in engine.step():
             seen[out.request_id] += out.new_text
@@ -356,8 +357,12 @@ def test_outputs_text_is_current_at_every_step_and_a_plain_str_once_finished(mod
                 assert out.text == out.samples[0].text
             if out.finished:
                 finals[out.request_id] = pickle.loads(pickle.dumps(out))
+            elif out.text:  # a live output copies, deep-copies and pickles with its text as it reads now
+                assert len(pickle.dumps(out)) < 10_000, "the detokenizer (and its tokenizer) went along"
+                copies.append((out.text, copy.copy(out), copy.deepcopy(out), pickle.loads(pickle.dumps(out))))
         if not engine.has_unfinished():
             break
+    assert copies and all(c.text == d.text == p.text == text for text, c, d, p in copies)
     plain, cut, multi = (finals[r] for r in rids)
     assert plain.text == tok.decode(ids) and len(pickle.dumps(plain)) < 10_000
     assert cut.text == tok.decode(ids).split(stop)[0] and cut.finish_reason == "stop"
