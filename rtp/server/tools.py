@@ -108,7 +108,6 @@ class RequiredCallStream:
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """(content, calls) for ``delta``: content only at the end (see the class docstring)."""
         scanned, text = len(self._text), self._text + delta
-        self._text = text
         calls: list[ToolCall] = []
         for i in range(scanned, len(text)):
             c = text[i]
@@ -133,6 +132,10 @@ class RequiredCallStream:
                     self._start = -1
                 self._depth -= 1
         self.num_calls += len(calls)
+        if self.num_calls:  # only the object being read may still be needed (as content, if it never closes)
+            keep = self._start if self._start >= 0 else len(text)
+            text, self._start = text[keep:], self._start - keep if self._start >= 0 else -1
+        self._text = text
         if not final:
             return "", calls
         if self.num_calls == 0:

@@ -13,7 +13,7 @@ import pytest
 
 from rtp.server.chat_output import ChatOutput
 from rtp.server.reasoning import ReasoningStream, split_reasoning
-from rtp.server.tools import ToolCallStream, parse_required, parse_tool_calls, required_schema
+from rtp.server.tools import RequiredCallStream, ToolCallStream, parse_required, parse_tool_calls, required_schema
 
 REASONING_CASES = [
     ("<think>\nplan it\n</think>\n\nthe answer", "plan it", "the answer"),
@@ -134,6 +134,17 @@ def test_required_calls_stream_as_each_object_closes_and_equal_the_whole_parse()
     # No call closed: the whole text is the content, as before.
     assert ChatOutput(tool_mode="required").message('[{"name": "a", "par') == {
         "role": "assistant", "content": '[{"name": "a", "par'}
+
+
+def test_a_long_required_stream_keeps_only_the_object_being_read():
+    calls = [{"name": "a", "parameters": {"i": i, "s": "x" * (i % 7)}} for i in range(300)]
+    text = json.dumps(calls)
+    stream, got, longest = RequiredCallStream(), [], 0
+    for ch in text:
+        got += stream.feed(ch)[1]
+        longest = max(longest, len(stream._text))
+    assert [json.loads(c.arguments) for c in got] == [c["parameters"] for c in calls]
+    assert longest <= max(len(json.dumps(c)) for c in calls) + 2  # not the whole text (the cost per delta)
 
 
 def test_chat_output_messages_and_deltas():
