@@ -66,15 +66,39 @@ class _Text:
         obj.__dict__[self.key] = value
 
 
-def follow_text(out: CompletionOutput | RequestOutput, source: TextSource) -> None:
-    """Make ``out.text`` read ``source.text`` whenever it is read, until :func:`fix_text` (a copy, deep copy
-    or pickle of ``out`` takes the text as it reads then, never the source)."""
-    out.__dict__["_text"] = source
+def _samples(out: RequestOutput) -> list[CompletionOutput | RequestOutput]:
+    """The outputs of ``out`` that hold a sample each: itself when n = 1, else its samples."""
+    return [out] if out.samples is None else list(out.samples)
 
 
-def fix_text(out: CompletionOutput | RequestOutput) -> None:
-    """Set ``out.text`` to the text it reads now (the end of :func:`follow_text`)."""
-    out.text = out.text
+def follow_text(out: RequestOutput, sources: list[TextSource]) -> None:
+    """Make the texts of ``out`` read ``sources`` (one per sample, in order; the request's flat fields are
+    sample 0's) whenever they are read, until :func:`fix_text` (a copy, deep copy or pickle of an output takes
+    the text as it reads then, never the source)."""
+    for c, source in zip(_samples(out), sources):
+        c.__dict__["_text"] = source
+    out.__dict__["_text"] = sources[0]
+
+
+def fix_text(out: RequestOutput) -> None:
+    """Set the texts of ``out`` and of its samples to what they read now (the end of :func:`follow_text`)."""
+    for c in [out, *(out.samples or ())]:
+        c.text = c.text
+
+
+def clear_deltas(out: RequestOutput) -> None:
+    """A step begins for ``out``: no text and no tokens added yet, the request's nor any sample's."""
+    for c in [out, *(out.samples or ())]:
+        c.new_text, c.new_token_ids = "", []
+
+
+def joined(pieces: list[str]) -> str:
+    """The text of ``pieces``, left as one piece, so that the next read joins only what was added since (a piece
+    appended meanwhile, from another thread, stays after it: one slice assignment)."""
+    k = len(pieces)
+    if k > 1:
+        pieces[:k] = ["".join(pieces[:k])]
+    return pieces[0] if pieces else ""
 
 
 def _state(out: Any) -> dict[str, Any]:  # noqa: ANN401
@@ -179,19 +203,18 @@ def stop_reason(stop_string: str | None, token_ids: list[int], stop_token_ids: C
     return None
 
 
-def _copy(obj: Any, **lists: list | None) -> Any:  # noqa: ANN401
-    """A shallow copy of the output ``obj`` with the given fields replaced and its text read now (a plain
-    ``__dict__`` copy: streams take one per request per step, and ``dataclasses.replace`` costs several times
-    more)."""
+def _copy(obj: Any, **fields: Any) -> Any:  # noqa: ANN401
+    """A shallow copy of the output ``obj`` with the given fields replaced (``_text``: the text field's value; a
+    plain ``__dict__`` copy: streams take one per request per step, and ``dataclasses.replace`` costs several
+    times more)."""
     new = object.__new__(type(obj))
     new.__dict__.update(obj.__dict__)
-    new.__dict__.update(lists)
-    new.__dict__["_text"] = obj.text
+    new.__dict__.update(fields)
     return new
 
 
 def _copy_sample(c: CompletionOutput) -> CompletionOutput:
-    return _copy(c, token_ids=list(c.token_ids), new_token_ids=list(c.new_token_ids),
+    return _copy(c, _text=c.text, token_ids=list(c.token_ids), new_token_ids=list(c.new_token_ids),
                  logprobs=None if c.logprobs is None else list(c.logprobs))
 
 
@@ -199,6 +222,7 @@ def snapshot(out: RequestOutput) -> RequestOutput:
     """A copy that later engine steps will not change (the engine appends to its lists in place)."""
     return _copy(
         out,
+        _text=out.text,
         token_ids=list(out.token_ids),
         new_token_ids=list(out.new_token_ids),
         logprobs=None if out.logprobs is None else list(out.logprobs),
@@ -217,9 +241,7 @@ class _Pieces:
 
     @property
     def text(self) -> str:
-        if len(self.pieces) > 1:
-            self.pieces[:] = ["".join(self.pieces)]
-        return self.pieces[0]
+        return joined(self.pieces)
 
 
 def delta(out: RequestOutput) -> RequestOutput:
@@ -243,8 +265,7 @@ def merge(built: RequestOutput | None, part: RequestOutput) -> RequestOutput:
     """
     if built is None:
         built = part
-        growing: list[CompletionOutput | RequestOutput] = [built] if built.samples is None else list(built.samples)
-        for c in growing:
+        for c in _samples(built):
             c.token_ids = list(c.token_ids)
             c.__dict__["_text"] = _Pieces(c.__dict__["_text"])
     elif built.samples is None:
@@ -260,19 +281,13 @@ def merge(built: RequestOutput | None, part: RequestOutput) -> RequestOutput:
         built.__dict__.update(token_ids=first.token_ids, logprobs=first.logprobs, _text=first.__dict__["_text"])
     if built.finished:
         fix_text(built)
-        for c in built.samples or ():
-            fix_text(c)
     return built
 
 
 def _step_part(obj: Any, **extra: Any) -> Any:  # noqa: ANN401
-    new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
-    step = list(obj.new_token_ids)
-    lps = obj.logprobs
-    new.__dict__.update(token_ids=step, new_token_ids=step, _text=obj.new_text,
-                        logprobs=None if lps is None else lps[len(lps) - len(step):], **extra)
-    return new
+    step, lps = list(obj.new_token_ids), obj.logprobs
+    return _copy(obj, token_ids=step, new_token_ids=step, _text=obj.new_text,
+                 logprobs=None if lps is None else lps[len(lps) - len(step):], **extra)
 
 
 def _add_part(built: Any, part: Any) -> None:  # noqa: ANN401

@@ -54,6 +54,7 @@ from typing import Any
 from tokenizers import decoders
 
 from rtp.log import get_logger
+from rtp.outputs import joined
 from rtp.sampling import SamplingParams
 
 logger = get_logger(__name__)
@@ -180,11 +181,8 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """The output text returned so far: the deltas of :meth:`add` and :meth:`flush` concatenated (the
         held-back text is not in it until :meth:`flush` or a stop string lets it out, as in vLLM's outputs)."""
-        done = self._done  # all of it returned: the held-back text is inside the tail
-        if len(done) > 1:
-            k = len(done)
-            done[:k] = ["".join(done[:k])]  # one slice assignment: a chunk added meanwhile stays after it
-        return (done[0] if done else "") + self._tail[: self._emitted - self._tail_start]
+        # _done is all returned: the held-back text is inside the tail.
+        return joined(self._done) + self._tail[: self._emitted - self._tail_start]
 
     @property
     def stopped(self) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from rtp.core.sequence import Sequence, SequenceStatus
-from rtp.outputs import CompletionOutput, RequestOutput, fix_text, follow_text, stop_reason
+from rtp.outputs import CompletionOutput, RequestOutput, clear_deltas, fix_text, follow_text, stop_reason
 from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
 from rtp.runtime.logprobs import name_tokens, top_logprobs
 from rtp.runtime.model_runner import PromptLogits
@@ -104,16 +104,14 @@ class RequestState:
             out: CompletionOutput | RequestOutput = comps[i] if multi else output
             constraint = p.constraint() if p.constraint is not None else None
             detok = IncrementalDetokenizer(decoder, ids, p) if decoder is not None else None
-            if detok is not None:
-                follow_text(out, detok)
-                if i == 0 and multi:  # the request's flat fields are sample 0's
-                    follow_text(output, detok)
             req.samples.append(SampleState(req, seq, detok, out,
                                            PenaltyState() if p.has_penalties else None, constraint, bad_words))
         req.pending_forks = req.samples[1:]
         if multi:
             output.samples = comps
             output.token_ids, output.logprobs = comps[0].token_ids, comps[0].logprobs
+        if decoder is not None:  # the texts are read from the detokenizers
+            follow_text(output, [smp.detok for smp in req.samples if smp.detok is not None])
         return req
 
 
@@ -146,8 +144,6 @@ class OutputProcessor:
         detokenizers)."""
         req.output.finish_time = time.time()
         fix_text(req.output)
-        for smp in req.samples:
-            fix_text(smp.out)
         self.requests.pop(req.request_id, None)
         self.full_sample_ids.discard(req.request_id)
         req.pending_forks = []
@@ -161,9 +157,8 @@ class OutputProcessor:
         for smp in req.samples:
             if smp.out.finish_reason is None:
                 smp.out.finish_reason = "abort"
-            smp.out.new_text, smp.out.new_token_ids = "", []  # the abort adds nothing
         req.output.finish_reason, req.output.error = "abort", message
-        req.output.new_text, req.output.new_token_ids = "", []
+        clear_deltas(req.output)  # the abort adds nothing
         return self.finish(req)
 
     def process(self, seqs: list[Sequence], tokens: list[int], logprobs: list[dict[int, float] | None],
@@ -204,9 +199,7 @@ class OutputProcessor:
             changed.append(request_out)
         elif req.last_step != self._step:  # the request's first change in this step
             req.last_step = self._step
-            for s in req.samples:
-                s.out.new_text, s.out.new_token_ids = "", []
-            request_out.new_text, request_out.new_token_ids = "", []
+            clear_deltas(request_out)
             changed.append(request_out)
         constraint = smp.constraint
         if constraint is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from rtp.outputs import CompletionOutput, RequestOutput, delta, follow_text, stop_reason
+from rtp.outputs import CompletionOutput, RequestOutput, clear_deltas, delta, follow_text, stop_reason
 from rtp.runtime.detokenizer import IncrementalDetokenizer, TokenDecoder
 from rtp.sampling import SamplingParams
 from rtp.server.frontend_wire import SampleUpdate
@@ -45,10 +45,8 @@ class FrontendRequest:
             self.output.token_ids, self.output.logprobs = comps[0].token_ids, comps[0].logprobs
         self.samples = [_Sample(comps[i] if self.multi else self.output,
                                 IncrementalDetokenizer(decoder, prompt_token_ids, params)) for i in range(params.n)]
-        for smp in self.samples:  # the texts are read from the detokenizers (a stream gets the new text only)
-            follow_text(smp.out, smp.detok)
-        if self.multi:  # the request's flat fields are sample 0's
-            follow_text(self.output, self.samples[0].detok)
+        # The texts are read from the detokenizers (a stream gets the new text only).
+        follow_text(self.output, [smp.detok for smp in self.samples])
         self.num_unfinished = params.n
         self.stop_reason_ids = stop_reason_ids  # ModelInfo.stop_reason_ids
         self.stopped_here = False
@@ -60,11 +58,7 @@ class FrontendRequest:
 
     def begin_step(self) -> None:
         """Before the updates of one OUTPUTS frame: the deltas of the last one are reset."""
-        out = self.output
-        out.new_text, out.new_token_ids = "", []
-        if self.multi:
-            for smp in self.samples:
-                smp.out.new_text, smp.out.new_token_ids = "", []
+        clear_deltas(self.output)
 
     def apply(self, upd: SampleUpdate, now: float) -> None:
         """Add what one step gave one sample: tokens, logprobs, text, the finish."""

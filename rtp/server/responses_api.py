@@ -17,7 +17,8 @@ With ``include: ["message.output_text.logprobs"]``, the message's ``output_text`
 of every generated token (``top_logprobs`` alternatives each, reasoning tokens included), as vLLM's;
 streamed, each response.output_text.delta carries those of the tokens since the one before it, and a
 last delta with no text those left when the message ends. Tokens generated after the message's
-item closed (a function call after the text, in "auto" mode) are listed only when not streamed.
+item closed (a function call after the text, in "auto" mode) are listed on the message in the final
+Response only (its events were sent).
 """
 
 from __future__ import annotations

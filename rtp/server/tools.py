@@ -133,14 +133,9 @@ class RequiredCallStream:
                 self._depth -= 1
         self.num_calls += len(calls)
         if self.num_calls:  # only the object being read may still be needed (as content, if it never closes)
-            keep = self._start if self._start >= 0 else len(text)
-            text, self._start = text[keep:], self._start - keep if self._start >= 0 else -1
+            text, self._start = (text[self._start :], 0) if self._start >= 0 else ("", -1)
         self._text = text
-        if not final:
-            return "", calls
-        if self.num_calls == 0:
-            return text, calls
-        return (text[self._start :] if self._start >= 0 else ""), calls
+        return (text if final else ""), calls
 
 
 class ToolCallStream:
