@@ -5,9 +5,10 @@ of a forward pass, so it cannot run on the server's event loop. The engine
 thread steps while any request is unfinished (continuous batching across HTTP
 requests) and sleeps on an Event when idle. What each step added to an output is copied
 (:func:`rtp.outputs.delta`: the engine mutates its RequestOutput objects in
-place step after step) and handed to the event loop with
-``loop.call_soon_threadsafe`` into the request's own ``asyncio.Queue``; the
-stream builds the output from those (:func:`rtp.outputs.merge`).
+place step after step) and a step's copies are handed to the event loop together
+(:func:`put_all`: one ``loop.call_soon_threadsafe`` a step, not one a stream),
+each into its request's own ``asyncio.Queue``; the stream builds the output
+from those (:func:`rtp.outputs.merge`).
 
 A consumer that stops early (a client disconnected, a task was cancelled)
 closes its :class:`RequestStream`, which aborts the request in the engine so
@@ -24,7 +25,7 @@ from typing import Protocol
 
 from rtp.errors import RequestError, RtpError, WorkerDiedError
 from rtp.log import get_logger
-from rtp.outputs import RequestOutput, delta, merge
+from rtp.outputs import RequestOutput, delta, join_deltas, merge
 from rtp.sampling import SamplingParams
 from rtp.server.activity import ActivityLog
 
@@ -95,11 +96,38 @@ class ServingEngine(StreamOwner, Protocol):
                     replica: int | None = None) -> RequestStream: ...
 
 
+Delivery = tuple["RequestStream", "RequestOutput | BaseException"]
+"""An item for a stream: a step's :func:`~rtp.outputs.delta` of its output, or the error that ends it."""
+
+
+def put_all(items: list[Delivery]) -> None:
+    """Hand ``items`` to their streams' event loops, from any thread: one wake-up of each loop for them all.
+
+    Each ``call_soon_threadsafe`` writes to the loop's wake-up socket and wakes it: one a stream and a step
+    cost a server with 256 streams ~6 ms of CPU a step (against ~1.4 ms for one call a step).
+    """
+    by_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_enqueue, batch)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+def _enqueue(items: list[Delivery]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator; ``close()`` aborts it if unfinished.
 
     Each step yields the same output object, updated (as the engine updates its own): a step costs the stream
-    what the step added, whatever the output's length. Keep one with :func:`rtp.outputs.snapshot`.
+    what the step added, whatever the output's length. Keep one with :func:`rtp.outputs.snapshot`. A reader
+    that fell behind gets the steps waiting for it as one update (their tokens and text in its ``new_*``
+    fields), as vLLM's streams do; the first update is always the first step's alone.
     """
 
     def __init__(self, owner: StreamOwner, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -110,13 +138,7 @@ class RequestStream:
         self.closed = False
         self._owner = owner
         self._output: RequestOutput | None = None  # built from the deltas, on the loop's thread
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Deliver a step's :func:`~rtp.outputs.delta` of the output, or an error, from any thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        self._error: BaseException | None = None  # taken from the queue behind deltas: raised after them
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -124,10 +146,18 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished or self.closed:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        item = self._error or await self.queue.get()
         if isinstance(item, BaseException):
             self.close()
             raise item
+        # Behind by several steps (a busy loop): they make one update, one event for an SSE client. The first
+        # update stays the first step's (the client's first token, no inter-token gap measured before it).
+        while self._output is not None and not item.finished and not self.queue.empty():
+            following = self.queue.get_nowait()
+            if isinstance(following, BaseException):
+                self._error = following
+                break
+            item = join_deltas(item, following)
         self._output = out = merge(self._output, item)
         if out.finished:
             self.finished = True
@@ -279,8 +309,7 @@ class AsyncEngine:
     def _end_all(self, error: BaseException) -> int:
         with self._lock:
             streams = list(self._streams.values())
-        for stream in streams:
-            stream.put(error)
+        put_all([(stream, error) for stream in streams])
         return len(streams)
 
     # ---- the engine thread ----
@@ -298,8 +327,7 @@ class AsyncEngine:
                 outputs = self._step() if self._step is not None else self.engine.step()
                 self.stats = dict(self.engine.stats())
                 self.activity.count(outputs)
-                for out in outputs:
-                    self._deliver(out)
+                put_all(self._deliveries(outputs))
         except BaseException as e:  # noqa: BLE001 - a crashed engine thread must fail every client
             if isinstance(e, WorkerDiedError):
                 # A lost rank: the runtime logged the one line that says why; no traceback to add.
@@ -316,15 +344,21 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001
                     logger.exception("on_dead hook raised")
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliveries(self, outputs: list[RequestOutput]) -> list[Delivery]:
+        """What the streams get of a step's ``outputs`` (nothing for a request whose client went away: it is
+        being aborted)."""
         with self._lock:
-            stream = self._streams.get(out.request_id)
-            if stream is not None and out.finished:
-                del self._streams[out.request_id]
-        if stream is None:
-            return  # the client went away; the request is being aborted
-        if out.finished and out.error is not None:
-            # Without a runtime failure, a request-level error is the engine refusing this request.
-            stream.put(EngineDeadError(out.error) if self.failure else RequestError(out.error))
-        else:
-            stream.put(delta(out))
+            streams = [self._streams.get(out.request_id) for out in outputs]
+            for out, stream in zip(outputs, streams):
+                if stream is not None and out.finished:
+                    del self._streams[out.request_id]
+        items: list[Delivery] = []
+        for out, stream in zip(outputs, streams):
+            if stream is None:
+                continue
+            if out.finished and out.error is not None:
+                # Without a runtime failure, a request-level error is the engine refusing this request.
+                items.append((stream, EngineDeadError(out.error) if self.failure else RequestError(out.error)))
+            else:
+                items.append((stream, delta(out)))
+        return items

@@ -34,7 +34,7 @@ from rtp.runtime.detokenizer import TokenDecoder
 from rtp.runtime.input_processor import InputProcessor
 from rtp.runtime.model_info import ModelInfo
 from rtp.sampling import SamplingParams
-from rtp.server.async_engine import EngineDeadError, RequestStream, ServerShuttingDownError
+from rtp.server.async_engine import Delivery, EngineDeadError, RequestStream, ServerShuttingDownError, put_all
 from rtp.server.frontend_outputs import FrontendRequest
 from rtp.server.frontend_wire import (
     EngineRequest,
@@ -158,8 +158,7 @@ class EngineClient:
 
     def _end_all(self, error: BaseException) -> int:
         streams = [stream for _, stream, _ in list(self._requests.values())]
-        for stream in streams:
-            stream.put(error)
+        put_all([(stream, error) for stream in streams])
         return len(streams)
 
     # ---- requests (event loop) ----
@@ -314,13 +313,14 @@ class EngineClient:
             entry = self._requests.get(handle)
             if entry is not None:
                 entry[0].output.prompt_logprobs = entries
+        items: list[Delivery] = []  # handed to the event loop together (put_all)
         for handle, message in errors.items():
             entry = self._requests.get(handle)
             if entry is None:
                 continue
             entry[0].abort(message)
             self._drop(handle)
-            entry[1].put(EngineDeadError(message) if self.failure else RequestError(message))
+            items.append((entry[1], EngineDeadError(message) if self.failure else RequestError(message)))
         for handle, req in changed.items():
             entry = self._requests.get(handle)
             if entry is None:
@@ -330,4 +330,5 @@ class EngineClient:
                 self._drop(handle)
                 if req.stopped_here:  # a stop string matched here: the engine still runs the request
                     self._send(conn, encode_abort([handle]))
-            stream.put(req.delta())
+            items.append((stream, req.delta()))
+        put_all(items)

@@ -16,7 +16,7 @@ import torch
 
 from rtp.config import ModelConfig, ParallelConfig, RtpConfig, SchedulerConfig
 from rtp.errors import ConfigError, RequestError
-from rtp.outputs import RequestOutput, delta, merge, snapshot
+from rtp.outputs import RequestOutput, delta, join_deltas, merge, snapshot
 from rtp.runtime.batch import BatchMirror
 from rtp.runtime.engine import Engine
 from rtp.runtime.input_processor import truncate_prompt
@@ -369,10 +369,9 @@ def test_outputs_text_is_current_at_every_step_and_a_plain_str_once_finished(mod
     assert [c.text for c in multi.outputs] == [tok.decode(c.token_ids) for c in multi.outputs]
 
 
-def test_a_stream_built_from_the_steps_deltas_equals_the_snapshots(model_dir):
-    """The server's streams get each step's delta only (rtp.outputs.delta) and build the output from them
-    (merge): at every step the built output equals a whole copy (snapshot) of the engine's, for n = 1 and 2,
-    logprobs, a stop string, max_tokens and an abort; once finished its texts are plain strs."""
+def _stream_requests(model_dir):
+    """An engine with requests for the stream tests: n = 1 and 2, logprobs, a stop string, max_tokens, and a
+    request to abort at step 4 (the last id)."""
     engine = make_engine(model_dir, {})
     tok = engine.tokenizer
     ids = tok.encode(" the cat sat on the mat, and then the dog sat on the cat", add_special_tokens=False)
@@ -384,6 +383,15 @@ def test_a_stream_built_from_the_steps_deltas_equals_the_snapshots(model_dir):
             engine.add_request([7], SamplingParams(temperature=0.5, seed=1, n=2, logprobs=1, **kw)),
             engine.add_request([7], SamplingParams(temperature=0.5, seed=2, n=2, max_tokens=3, stop=[stop])),
             engine.add_request([7], SamplingParams(temperature=0, **kw))]
+    return engine, ids, stop, rids
+
+
+def test_a_stream_built_from_the_steps_deltas_equals_the_snapshots(model_dir):
+    """The server's streams get each step's delta only (rtp.outputs.delta) and build the output from them
+    (merge): at every step the built output equals a whole copy (snapshot) of the engine's, for n = 1 and 2,
+    logprobs, a stop string, max_tokens and an abort; once finished its texts are plain strs."""
+    engine, ids, stop, rids = _stream_requests(model_dir)
+    tok = engine.tokenizer
     built: dict[str, RequestOutput] = {}
     steps = 0
     for steps in range(1, 200):
@@ -402,3 +410,43 @@ def test_a_stream_built_from_the_steps_deltas_equals_the_snapshots(model_dir):
     assert built[rids[1]].finish_reason == "stop" and built[rids[0]].text == tok.decode(ids)
     for out in built.values():
         assert all(type(c.__dict__["_text"]) is str for c in [out, *(out.samples or ())])
+
+
+@pytest.mark.parametrize("every", [2, 3])
+def test_a_stream_that_fell_behind_takes_the_waiting_steps_as_one(model_dir, every):
+    """A stream read once every ``every`` steps joins the deltas waiting for it (join_deltas) into one update:
+    the built output equals the engine's at the last of them, and its new_token_ids / new_text (each sample's
+    too) hold what all of them added."""
+    engine, _, _, rids = _stream_requests(model_dir)
+    live: dict[str, RequestOutput] = {}
+    waiting: dict[str, RequestOutput] = {}
+    built: dict[str, RequestOutput] = {}
+    joins = 0
+
+    def read(rid: str) -> None:
+        before = built.get(rid)
+        lengths = [(0, 0)] * len(live[rid].outputs) if before is None else [
+            (len(c.token_ids), len(c.text)) for c in before.outputs]
+        got = built[rid] = merge(before, waiting.pop(rid))
+        want = snapshot(live[rid])
+        for g, w, (n_tokens, n_chars) in zip(got.outputs, want.outputs, lengths, strict=True):
+            assert (g.token_ids, g.text, g.logprobs, g.finish_reason, g.stop_reason) == (
+                w.token_ids, w.text, w.logprobs, w.finish_reason, w.stop_reason), rid
+            assert g.new_token_ids == w.token_ids[n_tokens:] and g.new_text == w.text[n_chars:], rid
+        assert (got.token_ids, got.text, got.finished) == (want.token_ids, want.text, want.finished)
+
+    for steps in range(1, 200):
+        for out in engine.step():
+            live[out.request_id] = out
+            part = delta(out)
+            if out.request_id in waiting:
+                part, joins = join_deltas(waiting[out.request_id], part), joins + 1
+            waiting[out.request_id] = part
+        if steps == 4:
+            engine.abort(rids[4])
+        if steps % every == 0 or not engine.has_unfinished():
+            for rid in list(waiting):
+                read(rid)
+        if not engine.has_unfinished():
+            break
+    assert set(built) == set(rids) and all(o.finished for o in built.values()) and joins > 5
