@@ -23,6 +23,7 @@ from rtp.distributed.pids import pid_alive
 from rtp.distributed.shm_channel import ShmChannel
 from rtp.distributed.shm_segment import cleanup_stale_segments, remove_segment
 from rtp.distributed.step_relay import StepRelay
+from rtp.heap import freeze_startup_heap
 from rtp.log import get_logger
 from rtp.runtime.fault_injection import StepDelay
 from rtp.runtime.model_runner import ModelRunner
@@ -69,6 +70,7 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str | None,
     than rank 0's instead receives over ``relay`` and republishes on ``writer``
     (None when it is alone on its node), which it unlinks when it leaves.
     """
+    freeze_startup_heap(f"rank {ps.rank}")  # its model shard and runtime: alive until the process ends
     channel: ShmChannel | None = None
     receive: Callable[[], bytes]
 

@@ -24,6 +24,7 @@ import uvicorn
 
 from rtp.config import RtpConfig, ServerConfig
 from rtp.distributed.liveness import set_parent_death_signal
+from rtp.heap import freeze_startup_heap
 from rtp.log import get_logger, setup_logging
 from rtp.runtime.model_info import ModelInfo
 from rtp.server import replica_sockets
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     # graceful stop exits 0 (as in the single-process server).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_late_signal)
+    freeze_startup_heap(f"API frontend {args.index}")
     try:
         server.run(sockets=[listen])
     finally:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from rtp.errors import ConfigError, RtpError
+from rtp.heap import freeze_startup_heap
 from rtp.log import RtpLogHandler, get_logger
 from rtp.server.api import build_app
 from rtp.server.async_engine import AsyncEngine, ServingEngine
@@ -146,6 +147,7 @@ def run_server(runtime: Runtime, sock: socket.socket | None = None, access_log: 
     server_cfg = config.server
     info = runtime.model_info
     frontends = server_cfg.api_processes if server_cfg.api_processes is not None else default_api_processes()
+    freeze_startup_heap("rank 0's server")  # the model, tokenizer and runtime: alive until the process ends
     if runtime.dp_size > 1:
         return _run_replica_server(runtime, sock, frontends, access_log)
     sock = sock if sock is not None else bind_socket(server_cfg.host, server_cfg.port)

@@ -294,7 +294,7 @@ def test_the_log_says_what_the_engine_did(servers, name):
     time.sleep(3 * STATS_S)  # idle intervals write no line
     quiet = len(line.findall(srv.text()))
     time.sleep(2 * STATS_S)
-    assert len(line.findall(srv.text())) == quiet
+    assert len(line.findall(srv.text())) == quiet, f"a line for an idle interval in:\n{srv.text()[-3000:]}"
 
 
 # ---------------------------------------------------------------------------- shutdown (keep these last)
