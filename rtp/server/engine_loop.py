@@ -122,7 +122,9 @@ class EngineLoop:
                        "max_num_batched_tokens": runner.max_num_batched_tokens,
                        "enable_prefix_caching": int(cfg.cache.enable_prefix_caching)},
         }
-        metrics_dir = new_metrics_dir() if self.accept_on is None else None
+        # Several frontends sum their series through files (prometheus_client's multiprocess mode); one keeps
+        # them in memory (an observation there costs ~3x less: no file write, no pid check).
+        metrics_dir = new_metrics_dir() if self.accept_on is None and self.count > 1 else None
         self.runtime.on_failure.append(self._on_runtime_failure)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -130,7 +132,7 @@ class EngineLoop:
             if self.accept_on is not None:
                 self._accept_frontends(hello)
             else:
-                assert self.listen is not None and metrics_dir is not None
+                assert self.listen is not None
                 hello["replicas"] = [e.to_json() for e in self.replicas]
                 self.links = spawn_frontends(self.count, self.listen, hello, metrics_dir, cfg.liveness.timeout_s)
                 # The frontends hold the listening socket now. Rank 0's copy would keep it listening after they

@@ -175,11 +175,17 @@ class FrontendLink:
             pass
 
 
-def spawn_frontends(count: int, listen: socket.socket, hello: dict[str, Any], metrics_dir: str,
+def spawn_frontends(count: int, listen: socket.socket, hello: dict[str, Any], metrics_dir: str | None,
                     send_timeout_s: float) -> list[FrontendLink]:
-    """Start ``count`` frontends serving on ``listen``; each gets HELLO (``hello`` plus its index)."""
+    """Start ``count`` frontends serving on ``listen``; each gets HELLO (``hello`` plus its index).
+
+    ``metrics_dir``: where they keep their metrics series, to be summed (None: each in its own memory).
+    """
     links: list[FrontendLink] = []
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # (not a directory of this server's)
+    if metrics_dir is not None:
+        env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
         for i in range(count):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -5,12 +5,13 @@ API layer as requests finish; engine gauges (running/waiting requests, KV-cache
 usage, prefix-cache hit rate) are read from the engine's last stats snapshot
 at scrape time, so a scrape never touches the scheduler from the HTTP thread.
 
-With API frontend processes each frontend observes its own requests, and
-prometheus_client's multiprocess mode sums them: rank 0 starts every frontend
-with ``PROMETHEUS_MULTIPROC_DIR`` set to a directory of its run, each
+With API frontend processes each frontend observes its own requests. With
+several, prometheus_client's multiprocess mode sums them: rank 0 starts every
+frontend with ``PROMETHEUS_MULTIPROC_DIR`` set to a directory of its run, each
 frontend's counters and histograms live in files there, and a scrape of any
-frontend reads all of them. The engine gauges come with every step's frame
-from rank 0 (the same numbers in every frontend).
+frontend reads all of them (one frontend keeps them in memory: an observation
+costs ~3x less). The engine gauges come with every step's frame from rank 0
+(the same numbers in every frontend).
 """
 
 from __future__ import annotations
