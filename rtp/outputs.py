@@ -258,17 +258,30 @@ def delta(out: RequestOutput) -> RequestOutput:
                       samples=None if out.samples is None else [_step_part(c) for c in out.samples])
 
 
-def join_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """The deltas (:func:`delta`) of two consecutive steps of a request as one: a stream whose reader fell behind
-    takes what is waiting at once."""
-    samples = None if then.samples is None else [_join_parts(a, b) for a, b in zip(first.samples or (), then.samples)]
-    return _join_parts(first, then, samples=samples)
+def join_deltas(parts: list[RequestOutput]) -> RequestOutput:
+    """The deltas (:func:`delta`) of consecutive steps of a request as one: a stream whose reader fell behind
+    takes what is waiting at once (each part read once, however many wait)."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    samples = None if last.samples is None else [
+        _join_parts([p.samples[i] for p in parts]) for i in range(len(last.samples))]  # type: ignore[index]
+    return _join_parts(parts, samples=samples)
 
 
-def _join_parts(a: Any, b: Any, **extra: Any) -> Any:  # noqa: ANN401
-    step, text = a.new_token_ids + b.new_token_ids, a.new_text + b.new_text
-    lps = None if a.logprobs is None or b.logprobs is None else a.logprobs + b.logprobs
-    return _copy(b, token_ids=step, new_token_ids=step, _text=text, new_text=text, logprobs=lps, **extra)
+def _join_parts(parts: list[Any], **extra: Any) -> Any:  # noqa: ANN401
+    step: list[int] = []
+    texts: list[str] = []
+    lps: list | None = []
+    for p in parts:
+        step += p.new_token_ids
+        texts.append(p.new_text)
+        if lps is not None and p.logprobs is not None:
+            lps += p.logprobs
+        else:
+            lps = None
+    text = "".join(texts)
+    return _copy(parts[-1], token_ids=step, new_token_ids=step, _text=text, new_text=text, logprobs=lps, **extra)
 
 
 def merge(built: RequestOutput | None, part: RequestOutput) -> RequestOutput:

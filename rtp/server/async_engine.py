@@ -153,13 +153,14 @@ class RequestStream:
             raise item
         # Behind by several steps (a busy loop): they make one update, one event for an SSE client. The first
         # update stays the first step's (the client's first token, no inter-token gap measured before it).
-        while self._output is not None and not item.finished and not self.queue.empty():
+        parts = [item]
+        while self._output is not None and not parts[-1].finished and not self.queue.empty():
             following = self.queue.get_nowait()
             if isinstance(following, BaseException):
                 self._error = following
                 break
-            item = join_deltas(item, following)
-        self._output = out = merge(self._output, item)
+            parts.append(following)
+        self._output = out = merge(self._output, join_deltas(parts))
         if out.finished:
             self.finished = True
         return out

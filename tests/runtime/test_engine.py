@@ -419,7 +419,7 @@ def test_a_stream_that_fell_behind_takes_the_waiting_steps_as_one(model_dir, eve
     too) hold what all of them added."""
     engine, _, _, rids = _stream_requests(model_dir)
     live: dict[str, RequestOutput] = {}
-    waiting: dict[str, RequestOutput] = {}
+    waiting: dict[str, list[RequestOutput]] = {}
     built: dict[str, RequestOutput] = {}
     joins = 0
 
@@ -427,7 +427,7 @@ def test_a_stream_that_fell_behind_takes_the_waiting_steps_as_one(model_dir, eve
         before = built.get(rid)
         lengths = [(0, 0)] * len(live[rid].outputs) if before is None else [
             (len(c.token_ids), len(c.text)) for c in before.outputs]
-        got = built[rid] = merge(before, waiting.pop(rid))
+        got = built[rid] = merge(before, join_deltas(waiting.pop(rid)))
         want = snapshot(live[rid])
         for g, w, (n_tokens, n_chars) in zip(got.outputs, want.outputs, lengths, strict=True):
             assert (g.token_ids, g.text, g.logprobs, g.finish_reason, g.stop_reason) == (
@@ -438,10 +438,8 @@ def test_a_stream_that_fell_behind_takes_the_waiting_steps_as_one(model_dir, eve
     for steps in range(1, 200):
         for out in engine.step():
             live[out.request_id] = out
-            part = delta(out)
-            if out.request_id in waiting:
-                part, joins = join_deltas(waiting[out.request_id], part), joins + 1
-            waiting[out.request_id] = part
+            joins += out.request_id in waiting
+            waiting.setdefault(out.request_id, []).append(delta(out))
         if steps == 4:
             engine.abort(rids[4])
         if steps % every == 0 or not engine.has_unfinished():
