@@ -219,7 +219,6 @@ class Scheduler:
             seq.num_computed_tokens = computed = computed + n
             if seq.needs_prompt_logits and computed >= seq.num_prompt_tokens - 1:
                 seq.needs_prompt_logits = False  # the engine consumed this step's prompt logits
-            assert computed <= len(seq.block_table) * bs
             if caching and computed // bs > seq.num_hashed_blocks:  # a block filled up
                 bm.cache_computed_blocks(seq)  # only now is the KV of these blocks real
             if token is None:

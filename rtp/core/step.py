@@ -445,7 +445,7 @@ def decode(buf: bytes | bytearray | memoryview) -> StepPlan:
         for i, t, b, nc, nn in zip(new_ids, _split(new_tokens, c[0]), _split(new_blocks, c[1]), c[2], c[3])
     ]
     # Cached sequences stay in columns: a decode step builds no per-sequence objects.
-    if any(d > n for d, n in zip(c[9], c[5])):
+    if any(c[9]) and any(d > n for d, n in zip(c[9], c[5])):  # (no drafts: all zeros, one C call)
         raise StepFormatError("StepPlan buffer is inconsistent: a sequence has more draft tokens than new tokens")
     cached_seqs = CachedSeqs.from_columns(cached_ids, c[4], c[5], cached_tokens, c[6], cached_blocks, c[7], c[8],
                                           c[9])

@@ -93,6 +93,10 @@ class BatchMirror:
         self._num_tokens = np.zeros(rows, dtype=np.int64)
         self._num_blocks = np.zeros(rows, dtype=np.int64)
         self._num_computed = np.zeros(rows, dtype=np.int64)
+        # The last step's batch (sequence ids in batch order) and its rows: a step with the same batch
+        # (no sequence freed or sent in full) reuses the rows instead of looking each one up.
+        self._last_ids: list[int] = []
+        self._last_rows = np.zeros(0, dtype=np.int64)
 
     # ------------------------------------------------------------------ queries
 
@@ -123,12 +127,15 @@ class BatchMirror:
                 self._free_rows.append(row)
         new_rows = [self._add(new) for new in plan.new_seqs]
         cached = plan.cached_seqs
-        try:
-            cached_rows = [self._row[seq_id] for seq_id in cached.seq_ids]
-        except KeyError as e:
-            raise RuntimeError(f"step plan names sequence {e.args[0]}, which this rank does not mirror") from None
-        rows = np.array(new_rows + cached_rows, dtype=np.int64)  # [B] batch order: new, then cached
-        if cached_rows:
+        if not new_rows and not plan.freed_seq_ids and cached.seq_ids == self._last_ids:
+            rows = self._last_rows  # the last step's batch again (decode steps): its rows are unchanged
+        else:
+            try:
+                cached_rows = [self._row[seq_id] for seq_id in cached.seq_ids]
+            except KeyError as e:
+                raise RuntimeError(f"step plan names sequence {e.args[0]}, which this rank does not mirror") from None
+            rows = np.array(new_rows + cached_rows, dtype=np.int64)  # [B] batch order: new, then cached
+        if cached.seq_ids:
             c_rows = rows[len(new_rows) :]  # [C]
             if cached.has_rollback():
                 self._roll_back(c_rows, cached.rollback_tokens, cached.rollback_blocks)
@@ -137,10 +144,12 @@ class BatchMirror:
         q_lens = [new.num_new_tokens for new in plan.new_seqs] + cached.num_new_tokens
         seq_ids = [new.seq_id for new in plan.new_seqs] + cached.seq_ids
         drafts = None
-        if cached_rows and cached.has_drafts():
+        if cached.seq_ids and cached.has_drafts():
             drafts = np.zeros(len(rows), dtype=np.int64)  # [B]: new sequences never carry drafts
             drafts[len(new_rows) :] = cached.draft_counts
-        return self._flatten(rows, q_lens, seq_ids, drafts)
+        inputs = self._flatten(rows, q_lens, seq_ids, drafts)
+        self._last_ids, self._last_rows = seq_ids, rows
+        return inputs
 
     def _add(self, new: NewSeq) -> int:
         """Copy a sequence sent in full into a row (its own if it is mirrored already); returns the row."""

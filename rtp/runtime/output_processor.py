@@ -47,6 +47,9 @@ class SampleState:
     constraint: TokenConstraint | None
     bad_words: list[list[int]] | None = None
     """``params.bad_words`` tokenized."""
+    plain: bool = False
+    """n = 1, no grammar, no logprobs, no stop strings: a token that does not end the sequence only appends
+    (:meth:`OutputProcessor.process` takes it without :meth:`OutputProcessor.append_tokens`)."""
 
     def row(self) -> SampleRow:
         """What the sampler needs of this sample's sequence at this step."""
@@ -104,8 +107,9 @@ class RequestState:
             out: CompletionOutput | RequestOutput = comps[i] if multi else output
             constraint = p.constraint() if p.constraint is not None else None
             detok = IncrementalDetokenizer(decoder, ids, p) if decoder is not None else None
-            req.samples.append(SampleState(req, seq, detok, out,
-                                           PenaltyState() if p.has_penalties else None, constraint, bad_words))
+            plain = not multi and constraint is None and p.logprobs is None and not p.stop_strings
+            req.samples.append(SampleState(req, seq, detok, out, PenaltyState() if p.has_penalties else None,
+                                           constraint, bad_words, plain))
         req.pending_forks = req.samples[1:]
         if multi:
             output.samples = comps
@@ -171,7 +175,17 @@ class OutputProcessor:
         now = time.time()
         samples, append = self.samples, self.append_tokens
         for seq, token, lp in zip(seqs, tokens, logprobs):
-            append(samples[seq.seq_id], [token], [lp], now, changed)
+            smp = samples[seq.seq_id]
+            if smp.plain and seq.status is not _FINISHED and (out := smp.request.output).first_token_time is not None:
+                # The common step of the common request: append_tokens' work without its branches (this loop
+                # runs for every sequence on every step).
+                changed.append(out)
+                out.new_token_ids = [token]
+                out.token_ids.append(token)
+                if smp.detok is not None:
+                    out.new_text = smp.detok.add(token)[0]  # (no stop strings: it never stops)
+                continue
+            append(smp, [token], [lp], now, changed)
 
     def process_runs(self, seqs: list[Sequence], runs: list[list[int]],
                      logprobs: list[list[dict[int, float] | None]], prompt_logits: list[PromptLogits],
