@@ -15,7 +15,6 @@ ends every other prompt's request too (they are aborted in the engine).
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ from rtp.server.async_engine import RequestStream
 from rtp.server.http_errors import ClientGone, runtime_error
 from rtp.server.protocol import CompletionRequest
 from rtp.server.responses import ResponseBuilder
-from rtp.server.sse import ClosingEventStream
+from rtp.server.sse import ClosingEventStream, json_text
 
 if TYPE_CHECKING:
     from rtp.server.context import ServerContext
@@ -157,9 +156,9 @@ async def _merged_events(api: ServerContext, streams: list[RequestStream], count
             if include_usage and all(b.final_usage is not None for b in builders):
                 usage = _sum_usage([b.final_usage for b in builders if b.final_usage is not None])
                 first = builders[0]
-                yield "data: " + json.dumps({"id": first.request_id, "object": "text_completion",
+                yield "data: " + json_text({"id": first.request_id, "object": "text_completion",
                                         "created": first.created, "model": first.model, "choices": [],
-                                        "usage": usage}, ensure_ascii=False) + "\n\n"
+                                        "usage": usage}) + "\n\n"
     finally:
         for t in tasks:
             t.cancel()

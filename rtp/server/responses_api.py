@@ -23,7 +23,6 @@ Response only (its events were sent).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,7 +38,7 @@ from rtp.server.chat_output import ChatOutput
 from rtp.server.http_errors import ClientGone, runtime_error
 from rtp.server.responses import ResponseBuilder
 from rtp.server.responses_protocol import ResponsesRequest
-from rtp.server.sse import ClosingEventStream
+from rtp.server.sse import ClosingEventStream, json_text
 from rtp.server.streaming import Tracker
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ class ResponseWriter:
     def event(self, type_: str, **fields: Any) -> str:
         body = {"type": type_, "sequence_number": self._seq, **fields}
         self._seq += 1
-        return f"event: {type_}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"event: {type_}\ndata: {json_text(body)}\n\n"
 
     def opening(self) -> list[str]:
         r = self.response("in_progress", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,6 +11,10 @@ from fastapi.responses import StreamingResponse
 from rtp.server.async_engine import RequestStream
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+json_text = json.JSONEncoder(ensure_ascii=False).encode
+"""``json.dumps(obj, ensure_ascii=False)``, with one encoder for all calls (dumps builds one per call with
+non-default arguments: a stream chunk 9.6 -> 5.8 us, and a stream sends one per token)."""
 
 
 class ClosingEventStream(StreamingResponse):

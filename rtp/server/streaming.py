@@ -10,7 +10,6 @@ end with ``data: [DONE]``; an error after the stream started arrives as one
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,11 +23,11 @@ from rtp.server.http_errors import ClientGone, runtime_error
 from rtp.server.metrics import ServerMetrics
 from rtp.server.protocol import CommonRequest
 from rtp.server.responses import ResponseBuilder
-from rtp.server.sse import ClosingEventStream
+from rtp.server.sse import ClosingEventStream, json_text
 
 
 def _sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {data if isinstance(data, str) else json_text(data)}\n\n"
 
 
 class Tracker:
