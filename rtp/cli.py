@@ -7,7 +7,6 @@ import atexit
 import os
 import sys
 import time
-from collections.abc import MutableMapping
 from typing import NoReturn
 
 from rtp.distributed.liveness import exit_now
@@ -44,20 +43,3 @@ def exit_process(code: int) -> NoReturn:
     """
     atexit._run_exitfuncs()
     exit_now(code)
-
-
-def idle_threads_sleep(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Make a serving rank's idle OpenMP threads sleep rather than spin: ``OMP_WAIT_POLICY=PASSIVE`` unless the
-    user chose a policy or a spin count. Call before torch is imported (libgomp reads it when it loads).
-
-    A rank's compute threads share the host's cores with the API frontends (and rank 0's own event loop).
-    By default libgomp's idle threads spin up to 300,000 rounds (milliseconds) between parallel regions: through
-    every Python gap of a step, on a core a frontend needs. Served on a 2-core host (shipped model, TP = 1, two
-    compute threads, one frontend, 256 streams of 128 + 128 tokens), rank 0 used 30-38 s of CPU spinning
-    included against 19-24 s passive, and passive waits served 1.18x-1.54x the tokens a second (96 streams of
-    128 + 64: 1.11x and 1.37x, TTFT 0.86-0.92x). The cost: one request alone waits a thread's wake-up per
-    parallel region, its time per token 3.5-3.7 ms against 2.9-3.3 (the shipped model's short steps). Offline
-    ``generate()`` keeps spinning threads (passive ones cost it 0.85-0.92x: nothing else wants the cores there).
-    """
-    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
-        environ["OMP_WAIT_POLICY"] = "PASSIVE"

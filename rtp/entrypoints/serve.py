@@ -20,7 +20,7 @@ import argparse
 import os
 
 import rtp
-from rtp.cli import add_common_args, exit_process, fail, idle_threads_sleep
+from rtp.cli import add_common_args, exit_process, fail
 from rtp.entrypoints.flags import (
     ENGINE_FLAGS,
     SERVER_FLAGS,
@@ -57,7 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    idle_threads_sleep()  # before torch loads (rtp.server imports it)
     from rtp.server import bind_socket, run_server  # needs the [serve] extras
 
     args = parse_args(argv)
