@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,6 +170,18 @@ def run_vllm_client(python: str, base_url: str, model: str, served: str, args: a
                   data.get("failed", args.num_prompts - data["completed"]))
 
 
+async def _sse_lines(r: httpx.Response) -> AsyncIterator[str]:
+    """The response's lines, cut at newlines only (SSE's line ends): httpx's ``aiter_lines`` also cuts at
+    U+0085, U+2028 and U+2029 (str.splitlines), which a server may send raw inside an event's JSON."""
+    pending = ""
+    async for text in r.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if pending:
+        yield pending
+
+
 async def _one_request(client: httpx.AsyncClient, served: str, prompt: list[int], output_len: int,
                        temperature: float, stats: dict[str, list]) -> None:
     body = {"model": served, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
@@ -182,7 +195,7 @@ async def _one_request(client: httpx.AsyncClient, served: str, prompt: list[int]
                 await r.aread()
                 stats["errors"].append(f"HTTP {r.status_code}: {r.text[:200]}")
                 return
-            async for line in r.aiter_lines():
+            async for line in _sse_lines(r):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
