@@ -113,14 +113,19 @@ def cpu_linear_method(device: torch.device, dtype: torch.dtype) -> CpuLinearMeth
     oneDNN's bf16 rate 1020 GFLOP/s, fp32 510) keeps the choice: 28 layers of Qwen3-0.6B's linears took 0.70x
     oneDNN's time at 1 row, 0.77x at 8, 0.93x at 64, level at 256 (bf16); 0.78-0.82x at 1-16, 0.98x at 256
     (fp32). oneDNN where it is known fast: fp32 on other AVX-512 CPUs (on a Xeon the panel GEMM ran 1.56x
-    at one row, level at 8-32, 0.94-0.98x at 256-1024), bf16 on AMX. oneDNN also runs bf16 on plain
+    at one row, level at 8-32, 0.94-0.98x at 256-1024). CPUs with AMX keep the panel GEMM where Linux grants
+    the kernel its tiles (:func:`rtp.kernels.cpu_gemm.has_amx`): there the bf16 pairs run on AMX tiles, and on a
+    2-core AMX Xeon 28 layers of Qwen3-0.6B's bf16 linears took 0.81-0.90x oneDNN's time at 1-32 rows (26 against
+    22 GB/s), 0.87-0.98x at 64-128, 1.1-1.35x at 256-1024; its bench workload in bf16 (8 requests, greedy) 0.84x
+    the time with oneDNN's linears, the prompt step level, and in fp32 0.88-0.95x (the prompt step 0.8-0.85x).
+    Where the tiles are refused, oneDNN (whose own AMX code is refused too). oneDNN also runs bf16 on plain
     AVX-512, emulated: a Qwen3-0.6B decode step there took 2x the fp32 one. Elsewhere rtp's panel GEMM where
     it builds (on AVX2 CPUs it streams decode weights at about twice oneDNN's rate; bf16 weights
     widened in registers read half the bytes), else oneDNN if it runs at all.
     """
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    if cpu_gemm.bf16_dot() and "amx_bf16" not in cpu_flags():
+    if cpu_gemm.bf16_dot() and ("amx_bf16" not in cpu_flags() or cpu_gemm.has_amx()):
         return "gemm"
     wide = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
     fast = native_bf16() if dtype == torch.bfloat16 else wide

@@ -15,7 +15,7 @@ import torch
 from rtp.config import CacheConfig, ModelConfig, RtpConfig
 from rtp.core.step import CachedSeq, NewSeq, StepPlan
 from rtp.distributed.parallel import ParallelState
-from rtp.kernels import cpu_int8_gemm
+from rtp.kernels import cpu_gemm, cpu_int8_gemm
 from rtp.model.linear import onednn_packing_supported
 from rtp.model.quant import int8
 from rtp.runtime import model_runner
@@ -33,13 +33,17 @@ def _runner(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto", quantizat
     return ModelRunner(ParallelState.single("cpu"), model_dir, config)
 
 
-# How the linears multiply: rtp's panel GEMM (this CPU's pick), oneDNN's packed linear (the pick on other AVX-512
-# CPUs for fp32), int8 weight-only on the VNNI kernel where this CPU has it, and on the panel GEMM's int8 panels.
+# How the linears multiply: rtp's panel GEMM, oneDNN's packed linear (each forced, whatever this CPU picks), int8
+# weight-only on the VNNI kernel where this CPU has it, and on the panel GEMM's int8 panels.
 LINEARS = ["gemm", "onednn", "int8", "int8-panels"]
 
 
 def _linears(monkeypatch, linears: str) -> str | None:
     """Make the runners built next multiply their linears as ``linears`` says; returns their quantization."""
+    if linears == "gemm":
+        if not cpu_gemm.available():
+            pytest.skip("rtp's panel GEMM did not build on this machine")
+        monkeypatch.setattr(model_runner, "cpu_linear_method", lambda device, dtype: "gemm")
     if linears == "onednn":
         if not onednn_packing_supported(torch.device("cpu"), torch.bfloat16):
             pytest.skip("oneDNN's packed bf16 linear does not run on this CPU")

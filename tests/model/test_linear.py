@@ -105,8 +105,10 @@ def test_cpu_linear_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cpu_linear_method(cpu, torch.bfloat16) == "onednn"
         monkeypatch.setattr(linear_module, "native_bf16", lambda: False)
         assert cpu_linear_method(cpu, torch.bfloat16) == "gemm"
-    # AVX-512 BF16 without AMX: the panel GEMM's bf16 pairs; with AMX tiles, oneDNN
+    # AVX-512 BF16: the panel GEMM's bf16 pairs, on AMX tiles where the CPU has them; oneDNN where Linux refuses
+    # the tiles
     monkeypatch.setattr(cpu_gemm, "bf16_dot", lambda: True)
+    monkeypatch.setattr(cpu_gemm, "has_amx", lambda: False)
     monkeypatch.setattr(linear_module, "native_bf16", lambda: True)
     monkeypatch.setattr(linear_module, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert cpu_linear_method(cpu, torch.bfloat16) == "gemm"
@@ -115,6 +117,9 @@ def test_cpu_linear_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_linear_method(cpu, torch.float32) == "onednn"
     if onednn_packing_supported(cpu, torch.bfloat16):
         assert cpu_linear_method(cpu, torch.bfloat16) == "onednn"
+    monkeypatch.setattr(cpu_gemm, "has_amx", lambda: True)
+    assert cpu_linear_method(cpu, torch.bfloat16) == "gemm"
+    assert cpu_linear_method(cpu, torch.float32) == "gemm"
 
 
 def test_tied_lm_head_keeps_the_embedding_weight(tmp_path) -> None:  # noqa: ANN001
