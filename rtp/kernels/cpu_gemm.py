@@ -88,9 +88,8 @@ constexpr int64_t NR = NV * VW, MR = 6, KC = 1024, MB = 240, MB_PAIRS = 960;
 // Qwen3-0.6B's bf16 linears ran 1.25x as fast as with slices of 256 at 1-8 rows, 1.1x at 32, 1.05x at
 // 256-960.
 constexpr int64_t KC_PAIRS = 2048;
-// Pair panels on AMX tiles (see amx_tile): from AMX_MIN_ROWS rows, in row blocks of at most AMX_MB.
-constexpr int64_t AMX_MIN_ROWS = 1;
-constexpr int64_t AMX_MB = 512;
+// Pair panels on AMX tiles (see amx_tile): rows in tiles of AMX_ROWS, in row blocks of at most AMX_MB.
+constexpr int64_t AMX_ROWS = 16, AMX_MB = 512;
 // Software prefetch of the weights (see gemm_impl): below PF_MIN_ROWS rows only from the row tiles after
 // the first with at least PF_LATE_ROWS rows, into L2; into L1 up to PF_L1_MAX_ROWS, into L2 above. On an
 // AVX-512 BF16 Zen 4 the hardware prefetcher keeps up with few rows and a prefetch from every tile got in
@@ -192,8 +191,7 @@ static inline void tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* 
 // (rows NR * 4 bytes apart), so four C tiles hold 16 rows x NR = 64 columns. The arithmetic is ~16x the
 // vdpbf16ps tiles' a cycle: at decode shapes a step is the weight stream alone, which the first row block
 // prefetches AMX_PF_AHEAD bytes ahead (the hardware prefetcher alone left memory idle between tile loads).
-constexpr int64_t AMX_ROWS = 16, AMX_K = 32;
-constexpr int64_t AMX_PF_AHEAD = 8192;
+constexpr int64_t AMX_K = 32, AMX_PF_AHEAD = 8192;
 
 // acc[16, NR] (row stride NR) += x[16 rows, 0:k32] . panel[0:k32, :NR], x's rows ldx apart; k32 a multiple of 32.
 static inline void amx_tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t k32, float* acc,
@@ -271,6 +269,15 @@ static inline void store_silu_mul(Y* y, const float* g, const float* u, int64_t 
 // checkpoint's order ([M, 2I] = gate ‖ up), GLU_SILU_MUL writes silu(gate) * up ([M, I]).
 enum Glu : int64_t { GLU_NONE = 0, GLU_SPLIT = 1, GLU_SILU_MUL = 2 };
 
+// Panel p's fp32 sums acc [M, NR] before the products: the bias where it is the start (bias_first), else zero.
+static void start_sums(std::vector<float>& acc, int64_t p, const float* bias, bool bias_first, int64_t M,
+                       int64_t N) {
+  const int64_t n0 = p * NR, nc = std::min(NR, N - n0);
+  std::fill(acc.begin(), acc.end(), 0.f);
+  if (bias_first)
+    for (int64_t m = 0; m < M; ++m) std::memcpy(acc.data() + m * NR, bias + n0, nc * sizeof(float));
+}
+
 // Panel p's outputs from its fp32 sums acc [M, NR]: times the scale, plus the bias where there is a scale (without
 // one the bias was the sums' start), written to y [M, N] as glu says.
 template <typename Y>
@@ -326,11 +333,7 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * NR);  // this panel's outputs, all rows
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * NR, nc = std::min(NR, N - n0);
-      const bool bias_first = bias != nullptr && scale == nullptr;  // else the bias joins after the scale
-      std::fill(acc.begin(), acc.end(), 0.f);
-      if (bias_first)
-        for (int64_t m = 0; m < M; ++m) std::memcpy(acc.data() + m * NR, bias + n0, nc * sizeof(float));
+      start_sums(acc, p, bias, bias != nullptr && scale == nullptr, M, N);  // else the bias joins after the scale
       const W* panel = wp + p * K * NR;
       for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, K - k0);
@@ -381,10 +384,7 @@ static void amx_pairs_impl(const at::BFloat16* x, const at::BFloat16* wp, const 
     _tile_loadconfig(&cfg);
     std::vector<float> acc(Mp * NR);
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * NR, nc = std::min(NR, N - n0);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      if (bias != nullptr)
-        for (int64_t m = 0; m < M; ++m) std::memcpy(acc.data() + m * NR, bias + n0, nc * sizeof(float));
+      start_sums(acc, p, bias, bias != nullptr, M, N);
       const at::BFloat16* panel = wp + p * K * NR;
       for (int64_t m0 = 0; m0 < Mp; m0 += AMX_ROWS) {
         amx_tile(x + m0 * K, K, panel, k32, acc.data() + m0 * NR, m0 == 0 ? AMX_PF_AHEAD : 0);
@@ -442,7 +442,7 @@ at::Tensor gemm(at::Tensor x, at::Tensor wp, int64_t N, c10::optional<at::Tensor
   // pack_pairs(); returns [M, N] in x's dtype ([M, N / 2] for GLU_SILU_MUL).
   // int8 panels need scale [N] (output column n is multiplied by scale[n]); the others take none.
   // glu_mode (Glu): wp holds gate ‖ up panels; no bias or scale then. use_amx: pair panels on AMX tiles where
-  // has_amx() and there are at least AMX_MIN_ROWS rows (else the vdpbf16ps tiles).
+  // has_amx() (else the vdpbf16ps tiles).
   const bool pairs = wp.dim() == 4;
   TORCH_CHECK((pairs ? wp.size(2) == NR && wp.size(3) == 2 && wp.scalar_type() == at::kBFloat16
                      : wp.dim() == 3 && wp.size(2) == NR) && wp.size(0) * NR >= N, "gemm: not a packed weight");
@@ -470,8 +470,8 @@ at::Tensor gemm(at::Tensor x, at::Tensor wp, int64_t N, c10::optional<at::Tensor
             : x.size(1) == Kw ? x.to(at::kBFloat16).contiguous()
             : at::constant_pad_nd(x.to(at::kBFloat16), {0, 1}).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1);
-  const bool amx = pairs && use_amx && M >= AMX_MIN_ROWS && has_amx();
-  if (amx && M % 16 != 0) xf = at::constant_pad_nd(xf, {0, 0, 0, 16 - M % 16});  // whole 16-row x tiles
+  const bool amx = pairs && use_amx && has_amx();
+  if (amx && M % AMX_ROWS != 0) xf = at::constant_pad_nd(xf, {0, 0, 0, AMX_ROWS - M % AMX_ROWS});  // whole x tiles
   // The output is written in x's dtype where that is fp32 or bf16 (an fp32 [M, N] and a conversion pass
   // cost a prompt step's largest matmuls 0.76x -> 0.9x of oneDNN's rate at 2048 rows).
   const bool bf16_out = out_dtype == at::kBFloat16;
@@ -490,7 +490,7 @@ at::Tensor gemm(at::Tensor x, at::Tensor wp, int64_t N, c10::optional<at::Tensor
     // decode step's weight traffic for the last 16 (AVX-512, 0.6B shapes: 0.86x -> 0.92x of oneDNN).
     // Pair panels read bf16 rows, half the bytes: blocks of up to MB_PAIRS (240, 480 and 960 measured level
     // within the host's noise at 256-2048 rows on a Zen 4).
-    const int64_t mb_max = amx ? AMX_MB : pairs ? MB_PAIRS : MB, mr = amx ? 16 : MR;
+    const int64_t mb_max = amx ? AMX_MB : pairs ? MB_PAIRS : MB, mr = amx ? AMX_ROWS : MR;
     const int64_t blocks = (M + mb_max - 1) / mb_max, step = ((M + blocks - 1) / blocks + mr - 1) / mr * mr;
     auto run = [&](auto* y0) {
       for (int64_t m0 = 0; m0 < M; m0 += step) {
