@@ -491,7 +491,8 @@ at::Tensor gemm(at::Tensor x, at::Tensor wp, int64_t N, c10::optional<at::Tensor
     // Pair panels read bf16 rows, half the bytes: blocks of up to MB_PAIRS (240, 480 and 960 measured level
     // within the host's noise at 256-2048 rows on a Zen 4).
     const int64_t mb_max = amx ? AMX_MB : pairs ? MB_PAIRS : MB, mr = amx ? AMX_ROWS : MR;
-    const int64_t blocks = (M + mb_max - 1) / mb_max, step = ((M + blocks - 1) / blocks + mr - 1) / mr * mr;
+    const int64_t blocks = std::max<int64_t>(1, (M + mb_max - 1) / mb_max);  // no rows: one empty block
+    const int64_t step = ((M + blocks - 1) / blocks + mr - 1) / mr * mr;
     auto run = [&](auto* y0) {
       for (int64_t m0 = 0; m0 < M; m0 += step) {
         const int64_t mb = std::min(step, M - m0);

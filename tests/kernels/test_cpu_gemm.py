@@ -98,6 +98,20 @@ def test_int8_panels_with_scales_match_float64_dequantized_linear(rows: int, out
         cpu_gemm.linear(x, packed, out_f, None, scale[:-1])
 
 
+@pytest.mark.parametrize("weights", ["fp32", "bf16 pairs", "int8"])
+def test_no_rows_give_an_empty_product(weights: str) -> None:
+    """A batch of zero rows returns [0, N] (it divided by zero: the process died of SIGFPE)."""
+    if weights == "bf16 pairs" and not cpu_gemm.bf16_dot():
+        pytest.skip("no AVX-512 BF16: no pair panels")
+    w = torch.randn(40, 64)
+    if weights == "int8":
+        got = cpu_gemm.linear(torch.randn(0, 64), cpu_gemm.pack(w.to(torch.int8)), 40, scale=torch.ones(40))
+    else:
+        dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+        got = cpu_gemm.linear(torch.randn(0, 64, dtype=dtype), cpu_gemm.pack(w.to(dtype)), 40)
+    assert got.shape == (0, 40)
+
+
 @pytest.mark.parametrize("pairs", [False, True])
 def test_output_takes_the_input_dtype(pairs: bool) -> None:
     if pairs and not cpu_gemm.bf16_dot():
