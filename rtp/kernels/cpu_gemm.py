@@ -11,8 +11,8 @@ The weight ``[N, K]`` is re-laid out at load as panels of ``NR`` output columns,
 ``[ceil(N / NR), K, NR]``: NR = 64 on AVX-512 (a register tile of 6 rows x 4 zmm vectors), 16
 elsewhere (6 rows x 2 ymm), one fused multiply-add per weight and row either way. K is cut in
 slices of 1024 (bf16 pair panels: 2048) so that the panel slice stays in L2 while every row tile
-of the batch (at most 6 rows, of equal sizes above 12) reuses it (at 7-9 rows in slices of 64, in
-L1: see KC_SHORT); panels are spread over the threads. The tiles also prefetch the next
+of the batch (at most 6 rows, of equal sizes at 8-9 and above 12) reuses it (at 7 rows in slices of 64,
+in L1: see KC_SHORT); panels are spread over the threads. The tiles also prefetch the next
 slice of weights from memory where that measured faster (see PF_MIN_ROWS).
 Prompt steps run in equal blocks of at most 240 rows, so that the rows a panel reads come from L2.
 
@@ -111,12 +111,12 @@ constexpr int64_t PF_MIN_ROWS = 0;
 // at 8, 1.10x at 16 (1.04-1.09x while the host's memory ran at ~47 rather than ~75 GB/s); fp32 1.08-1.09x at
 // 4-16; level at 32 (not prefetching) and at 1 row (prefetching there measured 0.93-0.97x, hence the bound).
 constexpr int64_t PF_AHEAD = 32, PF_AHEAD_MIN_ROWS = 4;
-// K slices of KC_SHORT where one row tile streams the weights and a tail too small to prefetch follows it (7-9
-// rows, see gemm_impl): in long slices the tail re-reads each slice from L2 while memory idles; in short ones it
-// reads it from L1 right after the streaming tile, whose look-ahead (into the next slice) keeps memory busy
-// meanwhile. On a 2-core Zen 5, 28 layers of Qwen3-0.6B's linears, alternated in one process: bf16 1.06-1.13x
-// at 7-9 rows, fp32 1.08-1.13x (1.03-1.09x while the host's memory ran slow); level at 1-6. Not with more rows:
-// at 32, slices of 32-128 cost 0.58-0.84x (every tile's sums through memory once a slice).
+// K slices of KC_SHORT where one row tile streams the weights and a tail too small to prefetch follows it (7 rows; 8-9
+// rows now take two equal tiles, see gemm_impl): in long slices the tail re-reads each slice from L2 while memory
+// idles; in short ones it reads it from L1 right after the streaming tile, whose look-ahead (into the next slice) keeps
+// memory busy meanwhile. On a 2-core Zen 5, 28 layers of Qwen3-0.6B's linears, alternated in one process: bf16
+// 1.06-1.13x at 7-9 rows, fp32 1.08-1.13x (1.03-1.09x while the host's memory ran slow); level at 1-6. Not with more
+// rows: at 32, slices of 32-128 cost 0.58-0.84x (every tile's sums through memory once a slice).
 constexpr int64_t KC_SHORT = 64;
 
 
@@ -320,9 +320,14 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
   // full tiles and a remainder, on a 2-core Zen 5, alternated: 28 layers of Qwen3-0.6B's linears fp32 1.11x at 20
   // rows, 1.15x at 25 (6 x 4 + 1 -> 5 x 5), 1.02-1.04x at 32-44, level at 13; bf16 pair panels 1.04-1.16x at
   // 13-44; int8 1.0-1.03x; its LM head 1.06-1.2x at 13-32 rows. At 7-12 rows the first tile streams the weights
-  // (see KC_SHORT) and keeps six rows: 4 + 3 at 7 rows measured 0.88x on the LM head.
+  // and keeps six rows (4 + 3 at 7 rows measured 0.88x on the LM head there), except where the tail would be too
+  // short to prefetch (PF_LATE_ROWS) and two equal tiles are not: 8 and 9 rows as 4 + 4 and 5 + 4, not 6 + 2 and
+  // 6 + 3 in short slices. On a 2-core Zen 4, 28 layers of Qwen3-0.6B's linears and its LM head, alternated in one
+  // process: bf16 pair panels 1.25-1.27x at 8-9 rows, fp32 1.27-1.30x (8 rows had run slower than 12), int8 level;
+  // equal tiles at 10-11 rows measured 0.97-0.99x, at 7 (4 + 3) 1.13-1.17x there.
   const int64_t tiles = (M + MR - 1) / MR;
-  auto tile_m0 = [&](int64_t t) { return M > 2 * MR ? t * M / tiles : std::min(t * MR, M); };
+  const bool equal_tiles = M > 2 * MR || (M - MR < PF_LATE_ROWS && M >= 2 * PF_LATE_ROWS);
+  auto tile_m0 = [&](int64_t t) { return equal_tiles ? t * M / tiles : std::min(t * MR, M); };
   auto prefetches = [&](int64_t t) { return !few || (t > 0 && tile_m0(t + 1) - tile_m0(t) >= PF_LATE_ROWS); };
   // see KC_SHORT: fp32 and pair panels (int8 ones, whose tiles widen each weight, measured 0.93-0.94x at 7-9 rows)
   constexpr bool short_kinds = std::is_same_v<W, float> || pair_tiles;
