@@ -21,6 +21,16 @@ def first_cpu_info(cpuinfo: str | None = None) -> dict[str, str]:
             if sep}
 
 
+def zen4(cpuinfo: str | None = None) -> bool:
+    """True on an AMD Zen 4 (family 25 with AVX-512), which runs 512-bit instructions on 256-bit units: at a
+    decode step's few rows its GEMM tiles are bound by their arithmetic sooner than on a Zen 5 (full-width
+    units), so :mod:`rtp.kernels.cpu_gemm` is built with other row tiles there. ``cpuinfo``: /proc/cpuinfo's
+    text (default: this machine's)."""
+    info = first_cpu_info(cpuinfo)
+    return (info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
+            and "avx512f" in info.get("flags", "").split())
+
+
 @functools.cache
 def _proc_cpuinfo() -> str:
     try:

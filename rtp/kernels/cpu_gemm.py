@@ -7,14 +7,14 @@ AVX2 AMD EPYC. On a 2-core AVX-512 Xeon this kernel runs a 12-layer loop of Qwen
 compute-bound and closer to the FMA peak (for small weights that stay in cache, such as the 3.4M
 default model's, oneDNN leads from ~64 rows).
 
-The weight ``[N, K]`` is re-laid out at load as panels of ``NR`` output columns,
-``[ceil(N / NR), K, NR]``: NR = 64 on AVX-512 (a register tile of 6 rows x 4 zmm vectors), 16
-elsewhere (6 rows x 2 ymm), one fused multiply-add per weight and row either way. K is cut in
-slices of 1024 (bf16 pair panels: 2048) so that the panel slice stays in L2 while every row tile
-of the batch (at most 6 rows, of equal sizes at 8-9 and above 12) reuses it (at 7 rows in slices of 64,
-in L1: see KC_SHORT); panels are spread over the threads. The tiles also prefetch the next
-slice of weights from memory where that measured faster (see PF_MIN_ROWS).
-Prompt steps run in equal blocks of at most 240 rows, so that the rows a panel reads come from L2.
+The weight ``[N, K]`` is re-laid out at load as panels of ``NR`` output columns, ``[ceil(N / NR), K, NR]``:
+NR = 64 on AVX-512 (a register tile of 6 rows x 4 zmm vectors), 16 elsewhere (6 rows x 2 ymm), one fused
+multiply-add per weight and row either way. K is cut in slices of 1024 (bf16 pair panels: 2048) so that the
+panel slice stays in L2 while every row tile of the batch (at most 6 rows, of equal sizes above 12; on a Zen 4
+also at 7-9) reuses it (at 7-9 rows in slices of 64 where a tail cannot prefetch, in L1: see KC_SHORT); panels
+are spread over the threads. The tiles also prefetch the next slice of weights from memory where that measured
+faster (see PF_MIN_ROWS). Prompt steps run in equal blocks of at most 240 rows, so that the rows a panel reads
+come from L2.
 
 A SwiGLU's gate ‖ up weight can be packed with each panel holding NR / 2 gate columns and the same
 up columns (:func:`pack` with ``gate_up``): :func:`silu_mul` then writes ``silu(gate) * up`` from the sums
@@ -52,6 +52,7 @@ from types import ModuleType
 import torch
 
 from rtp.kernels.cpu_build import build
+from rtp.kernels.cpu_features import zen4
 from rtp.kernels.cpu_simd import AMX_HEADER, SIMD_HEADER
 from rtp.kernels.host_memory import in_huge_pages
 
@@ -110,9 +111,20 @@ constexpr int64_t PF_MIN_ROWS = 0;
 // it). On a 2-core Zen 5, 28 layers of Qwen3-0.6B's linears, alternated: bf16 pair panels 1.06x at 4 rows, 1.12x
 // at 8, 1.10x at 16 (1.04-1.09x while the host's memory ran at ~47 rather than ~75 GB/s); fp32 1.08-1.09x at
 // 4-16; level at 32 (not prefetching) and at 1 row (prefetching there measured 0.93-0.97x, hence the bound).
-constexpr int64_t PF_AHEAD = 32, PF_AHEAD_MIN_ROWS = 4;
-// K slices of KC_SHORT where one row tile streams the weights and a tail too small to prefetch follows it (7 rows; 8-9
-// rows now take two equal tiles, see gemm_impl): in long slices the tail re-reads each slice from L2 while memory
+//
+// A Zen 4 (RTP_ZEN4: AVX-512 on 256-bit units, half a Zen 5's arithmetic a cycle) takes neither the look-ahead
+// nor, at 7-9 rows, a six-row first tile (see gemm_impl): there the tiles' arithmetic, not memory, sets the pace,
+// and a prefetch instruction or a tail tile of 1-3 rows costs more than it hides. On a 2-core Zen 4, 28 layers
+// of Qwen3-0.6B's linears and its LM head, alternated in one process: without the look-ahead bf16 pair panels
+// 1.07-1.10x at 4-6 rows, fp32 1.04-1.18x, 1.0-1.03x at 8-16.
+constexpr int64_t PF_AHEAD = 32;
+#ifdef RTP_ZEN4
+constexpr int64_t PF_AHEAD_MIN_ROWS = PF_MIN_ROWS, EQUAL_TILES_MIN_ROWS = MR + 1;
+#else
+constexpr int64_t PF_AHEAD_MIN_ROWS = 4, EQUAL_TILES_MIN_ROWS = 2 * MR + 1;
+#endif
+// K slices of KC_SHORT where one row tile streams the weights and a tail too small to prefetch follows it (7-9
+// rows, a Zen 4's 7 rows as 4 + 3: see gemm_impl): in long slices the tail re-reads each slice from L2 while memory
 // idles; in short ones it reads it from L1 right after the streaming tile, whose look-ahead (into the next slice) keeps
 // memory busy meanwhile. On a 2-core Zen 5, 28 layers of Qwen3-0.6B's linears, alternated in one process: bf16
 // 1.06-1.13x at 7-9 rows, fp32 1.08-1.13x (1.03-1.09x while the host's memory ran slow); level at 1-6. Not with more
@@ -320,13 +332,13 @@ static void gemm_impl(const X* x, const W* wp, const float* bias, const float* s
   // full tiles and a remainder, on a 2-core Zen 5, alternated: 28 layers of Qwen3-0.6B's linears fp32 1.11x at 20
   // rows, 1.15x at 25 (6 x 4 + 1 -> 5 x 5), 1.02-1.04x at 32-44, level at 13; bf16 pair panels 1.04-1.16x at
   // 13-44; int8 1.0-1.03x; its LM head 1.06-1.2x at 13-32 rows. At 7-12 rows the first tile streams the weights
-  // and keeps six rows (4 + 3 at 7 rows measured 0.88x on the LM head there), except where the tail would be too
-  // short to prefetch (PF_LATE_ROWS) and two equal tiles are not: 8 and 9 rows as 4 + 4 and 5 + 4, not 6 + 2 and
-  // 6 + 3 in short slices. On a 2-core Zen 4, 28 layers of Qwen3-0.6B's linears and its LM head, alternated in one
-  // process: bf16 pair panels 1.25-1.27x at 8-9 rows, fp32 1.27-1.30x (8 rows had run slower than 12), int8 level;
-  // equal tiles at 10-11 rows measured 0.97-0.99x, at 7 (4 + 3) 1.13-1.17x there.
+  // and keeps six rows (4 + 3 at 7 rows measured 0.88x on the LM head there). A Zen 4 (EQUAL_TILES_MIN_ROWS) takes
+  // 7-9 rows as 4 + 3, 4 + 4 and 5 + 4 instead of a six-row tile and a tail of 1-3: 28 layers of Qwen3-0.6B's
+  // linears and its LM head, alternated in one process: bf16 pair panels 1.19-1.56x at 7 rows, 1.25-1.27x at 8-9,
+  // fp32 1.23x at 7, 1.27-1.30x at 8-9 (8 rows had run slower than 12), int8 level; equal tiles at 10-11 rows
+  // measured 0.97-0.99x there.
   const int64_t tiles = (M + MR - 1) / MR;
-  const bool equal_tiles = M > 2 * MR || (M - MR < PF_LATE_ROWS && M >= 2 * PF_LATE_ROWS);
+  const bool equal_tiles = M >= EQUAL_TILES_MIN_ROWS && (M > 2 * MR || M - MR < PF_LATE_ROWS);
   auto tile_m0 = [&](int64_t t) { return equal_tiles ? t * M / tiles : std::min(t * MR, M); };
   auto prefetches = [&](int64_t t) { return !few || (t > 0 && tile_m0(t + 1) - tile_m0(t) >= PF_LATE_ROWS); };
   // see KC_SHORT: fp32 and pair panels (int8 ones, whose tiles widen each weight, measured 0.93-0.94x at 7-9 rows)
@@ -536,7 +548,7 @@ def load() -> ModuleType | None:
     """Build (first use) and import the kernel; None where it cannot be built."""
     # Contracting a * b + c into one FMA is what the kernel is for (C++17 mode turns it off by default).
     return build("cpu_gemm", _SOURCE, ["pack", "pack_pairs", "gemm", "panel_width", "bf16_dot", "has_amx"],
-                 extra_cflags=("-ffp-contract=fast",))
+                 extra_cflags=("-ffp-contract=fast", *(("-DRTP_ZEN4",) if zen4() else ())))
 
 
 def available() -> bool:

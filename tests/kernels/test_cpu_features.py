@@ -45,3 +45,22 @@ def test_cpu_flags_reads_this_machine():
     assert isinstance(flags, frozenset)
     if flags:  # Linux: x86 CPUs list sse2, ARM ones fp or asimd
         assert flags & {"sse2", "fp", "asimd"}
+
+
+def _cpuinfo(vendor: str, family: int, flags: str) -> str:
+    core = f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\nflags\t\t: {flags}\n"
+    return "\n".join(core.format(i) for i in range(2))
+
+
+@pytest.mark.parametrize(
+    "vendor, family, flags, expected",
+    [
+        ("AuthenticAMD", 25, "fpu avx2 avx512f avx512_bf16", True),  # Zen 4
+        ("AuthenticAMD", 25, "fpu avx2 fma", False),  # Zen 3: same family, no AVX-512
+        ("AuthenticAMD", 26, "fpu avx2 avx512f avx512_bf16 avx_vnni", False),  # Zen 5: full-width units
+        ("GenuineIntel", 6, "fpu avx2 avx512f avx512_bf16 amx_bf16", False),
+    ],
+)
+def test_zen4_is_amd_family_25_with_avx512(vendor, family, flags, expected):
+    """The CPU GEMM's Zen 4 build (other row tiles) is chosen from /proc/cpuinfo's vendor, family and flags."""
+    assert cpu_features.zen4(_cpuinfo(vendor, family, flags)) is expected

@@ -13,10 +13,10 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C++ compile
 
 # Rows on both sides of the weight prefetch limits (up to 16 rows on AVX-512 BF16 only from the row tiles after the
 # first with 4 rows or more: 13 rows, 6 + 6 + 1, and the first tile's look-ahead from 4 rows: 6, 7, 13; into L1 up to 48
-# elsewhere); 8 and 9 rows in two equal tiles; in_f across K slices (1024; pair panels 2048; 64 at 7 rows, the last one
-# short: 300; an odd 301); 500 rows: row blocks of 240 + 240 + 20. On AMX tiles (pair panels where the CPU has them):
-# 16-row tiles (the last one padded), in_f below 32 (no tile: all on the vdpbf16ps tail) or past a multiple of 32 (a
-# tail), 1100 rows: row blocks of 368 + 368 + 364.
+# elsewhere); 7-9 rows (a Zen 4's in two equal tiles); in_f across K slices (1024; pair panels 2048; 64 at 7-9 rows
+# where the tail cannot prefetch, the last one short: 300; an odd 301); 500 rows: row blocks of 240 + 240 + 20. On AMX
+# tiles (pair panels where the CPU has them): 16-row tiles (the last one padded), in_f below 32 (no tile: all on the
+# vdpbf16ps tail) or past a multiple of 32 (a tail), 1100 rows: row blocks of 368 + 368 + 364.
 @pytest.mark.parametrize("rows,out_f,in_f", [(1, 16, 16), (6, 64, 256), (7, 33, 300), (8, 130, 2100), (9, 70, 301),
                                              (12, 130, 2100), (13, 100, 513), (40, 48, 1024), (49, 130, 2048),
                                              (20, 70, 4101), (97, 64, 257), (500, 40, 70), (1100, 70, 96)])
