@@ -11,8 +11,9 @@ generator below (the same workload: random token-id prompts of ``--input-len``, 
 prefix they all share (0 by default; a system prompt, served from the prefix cache), ``--output-len``
 tokens, EOS ignored, streamed, requests sent at ``--request-rate`` per second, Poisson, or all at
 once with ``inf``). Both clients send ``--temperature`` (default 1.0, the OpenAI API's default: sampled;
-0 for greedy). Printed per server: output tok/s, mean TTFT, mean TPOT (per request: (last token - first
-token) / (tokens - 1)), failed requests, and the ratios rtp / vLLM.
+0 for greedy). Printed per server: output tok/s, mean and median TTFT (the first chunk with a choice, even one
+whose text is held back), mean TPOT (per request: (last token - first token) / (tokens - 1)), failed requests,
+and the ratios rtp / vLLM.
 
 vLLM's server is ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_CPU_KVCACHE_SPACE``
 (GiB, ``--kv-gib``; rtp gets a cache of the same size, split over its ranks) and
@@ -52,6 +53,7 @@ class Result:
     engine: str
     output_tok_s: float
     mean_ttft_ms: float
+    median_ttft_ms: float
     mean_tpot_ms: float
     completed: int
     failed: int
@@ -160,13 +162,15 @@ def run_vllm_client(python: str, base_url: str, model: str, served: str, args: a
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
            "--request-rate", str(args.request_rate), "--temperature", str(args.temperature), "--ignore-eos",
            "--seed", str(args.seed),
-           "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm"]
+           "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm",
+           "--save-detailed"]
     proc = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True, timeout=args.client_timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                            f"{proc.stderr[-3000:]}")
     data = json.loads((out_dir / name).read_text())
-    return Result(label, data["output_throughput"], data["mean_ttft_ms"], data["mean_tpot_ms"], data["completed"],
+    return Result(label, data["output_throughput"], data["mean_ttft_ms"], data["median_ttft_ms"], data["mean_tpot_ms"],
+                  data["completed"],
                   data.get("failed", args.num_prompts - data["completed"]))
 
 
@@ -204,7 +208,7 @@ async def _one_request(client: httpx.AsyncClient, served: str, prompt: list[int]
                     return
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
-                if event.get("choices") and event["choices"][0].get("text"):
+                if event.get("choices"):  # a token, its text maybe held back (as vllm bench serve counts)
                     now = time.perf_counter()
                     first = first if first is not None else now
                     last = now
@@ -252,7 +256,8 @@ def run_rtp_client(base_url: str, served: str, vocab: int, args: argparse.Namesp
     prompts = random_prompts(vocab, args.num_prompts, args.input_len, args.seed, args.prefix_len)
     stats, elapsed = asyncio.run(_load(base_url, served, prompts, args.output_len, args.request_rate, args.seed,
                                        args.temperature))
-    return Result(label, sum(stats["tokens"]) / elapsed, _mean_ms(stats["ttft"]), _mean_ms(stats["tpot"]),
+    median_ttft = statistics.median(stats["ttft"]) * 1000 if stats["ttft"] else float("nan")
+    return Result(label, sum(stats["tokens"]) / elapsed, _mean_ms(stats["ttft"]), median_ttft, _mean_ms(stats["tpot"]),
                   len(stats["tokens"]), len(stats["errors"]), {"errors": stats["errors"][:5]})
 
 
@@ -290,9 +295,11 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
     shared = f"a shared prefix of {args.prefix_len} + " if args.prefix_len else ""
     print(f"\n{args.num_prompts} prompts, {shared}{args.input_len} in / {args.output_len} out tokens, request rate "
           f"{args.request_rate}, temperature {args.temperature}, client: {client}")
-    print(f"{'server':<14} {'output tok/s':>12} {'mean TTFT ms':>13} {'mean TPOT ms':>13} {'done':>6} {'failed':>7}")
+    print(f"{'server':<14} {'output tok/s':>12} {'mean TTFT ms':>13} {'median TTFT':>12} {'mean TPOT ms':>13} "
+          f"{'done':>6} {'failed':>7}")
     for r in results:
-        print(f"{r.engine:<14} {r.output_tok_s:>12.1f} {r.mean_ttft_ms:>13.1f} {r.mean_tpot_ms:>13.2f} "
+        print(f"{r.engine:<14} {r.output_tok_s:>12.1f} {r.mean_ttft_ms:>13.1f} {r.median_ttft_ms:>12.1f} "
+              f"{r.mean_tpot_ms:>13.2f} "
               f"{r.completed:>6} {r.failed:>7}")
         for e in r.extra.get("errors", []):
             print(f"    error: {e}")

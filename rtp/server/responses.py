@@ -237,10 +237,14 @@ class ResponseBuilder:
         """
         request = request if request is not None else out  # type: ignore[assignment]
         assert isinstance(request, RequestOutput)
-        logprobs = self._logprobs(out, start) if len(out.token_ids) > start else None
+        new_tokens = len(out.token_ids) > start
+        logprobs = self._logprobs(out, start) if new_tokens else None
         echo_now = self.echo is not None and not self._echo_sent and not self.chat
-        if not out.new_text and not out.finished and logprobs is None and not echo_now:
-            return None  # text held back (a partial character or stop string): nothing to send yet
+        if not out.new_text and not out.finished and not new_tokens and not echo_now:
+            return None  # nothing new (a prompt chunk)
+        # New tokens whose text is held back (part of a character, or of a stop string) still get a chunk, with
+        # empty text, as vLLM's server sends: a client sees each token when it is made (its time to first token
+        # and inter-token latencies), and the text follows with a later chunk.
         choice: dict[str, Any] = {"index": self.index}
         finish_reason = out.finish_reason
         if self.chat and self.chat_output is not None:

@@ -58,6 +58,7 @@ class FakeEngine:
         self._live: dict[str, RequestOutput] = {}
         self._params: dict[str, SamplingParams] = {}
         self._pending_aborts: list[str] = []
+        self.hold_partial_chars = False  # as the real detokenizer: text ending in part of a character waits
 
     def tokenize(self, prompt):
         if self.fail_tokenize is not None:
@@ -110,6 +111,8 @@ class FakeEngine:
                     out.logprobs.append({token: -0.25, (token + 1) % 500: -1.5, (token + 2) % 500: -2.5})
                 out.first_token_time = out.first_token_time or time.time()
                 new_text = self.tokenizer.decode(out.token_ids)
+                if self.hold_partial_chars:
+                    new_text = new_text.rstrip("\ufffd")
                 out.new_text, out.text = new_text[len(out.text):], new_text
                 if len(out.token_ids) >= params.max_tokens:
                     out.finish_reason, out.finish_time = "length", time.time()
@@ -451,6 +454,27 @@ def test_chat_stream_format_without_usage(served, tokenizer):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == expected_text(tokenizer, 6)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_token_whose_text_is_held_back_still_gets_its_chunk(tokenizer):
+    """A token that ends in part of a character has no text yet; its chunk comes at once, with empty text (as
+    vLLM's server streams it): a client sees its first token when it is made, and the text follows."""
+    app, engine, _ = make_app(tokenizer, step_delay_s=0.02)
+    engine.pattern = tokenizer.encode("\N{ROCKET} sat", add_special_tokens=False)  # the rocket: 4 tokens
+    engine.hold_partial_chars = True
+    n = len(engine.pattern)
+    usage = {"include_usage": True, "continuous_usage_stats": True}  # each chunk: the tokens made so far
+    with TestClient(app) as client:
+        for path, body, text_of in (
+                ("/v1/completions", {"prompt": "Hi"}, lambda c: c["text"]),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                 lambda c: c["delta"].get("content", ""))):
+            r = client.post(path, json={**body, "max_tokens": n, "stream": True, "stream_options": usage})
+            chunks = [c for c in sse_events(r.text)[:-2] if "role" not in c["choices"][0].get("delta", {})]
+            made = [c["usage"]["completion_tokens"] for c in chunks]
+            texts = [text_of(c["choices"][0]) for c in chunks]
+            assert texts[0] == "" and made[0] == 1  # the first step's token, its text not made yet
+            assert made[-1] == n and "".join(texts) == tokenizer.decode(engine.pattern)
 
 
 def test_engine_failure_ends_a_stream_with_an_error_event(tokenizer):
