@@ -105,12 +105,15 @@ async def stream_events(metrics: ServerMetrics, stream: RequestStream, num_promp
     """SSE events of one request; closing the generator (a disconnect) aborts the request."""
     tracker = Tracker(metrics, num_prompt_tokens)
     try:
+        # Chat's opening chunk (the role) goes with the first output, as vLLM's: a client that times the first
+        # chunk (vLLM's benchmark) times the first token, not the request's arrival.
         first = build.first_chunk()
-        if first is not None:
-            yield _sse(first)
         choices: list[ResponseBuilder] = []  # n > 1: one builder per choice
         sent: list[int] = []  # n > 1: tokens of each choice already sent
         async for out in stream:
+            if first is not None:
+                yield _sse(first)
+                first = None
             start = tracker.seen
             tracker.update(out)
             if out.samples is None:

@@ -762,6 +762,25 @@ def test_a_request_the_engine_refuses_later_is_a_400(served, stream):
         assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
 
 
+def test_a_chat_stream_opens_with_its_first_output(tokenizer):
+    """The role chunk goes with the first token, as vLLM's (a client that times the first chunk times the
+    first token); a request refused before it has made one streams the error alone."""
+    app, engine, _ = make_app(tokenizer, step_delay_s=0.25)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    with TestClient(app) as client:
+        arrivals = []
+        start = time.monotonic()
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append((time.monotonic() - start, json.loads(line[6:])["choices"][0]["delta"]))
+        assert "role" in arrivals[0][1] and arrivals[0][0] >= 0.2  # not before the first step's 0.25 s
+        assert "content" in arrivals[1][1] and arrivals[1][0] - arrivals[0][0] < 0.2  # that step's token
+        engine.refuse_at_step = "needs 9 KV blocks but the cache has only 8"
+        events = sse_events(client.post("/v1/chat/completions", json=body).text)
+        assert len(events) == 2 and "KV blocks" in events[0]["error"]["message"]
+
+
 def test_a_crashed_engine_thread_fails_requests_and_health(tokenizer):
     app, engine, async_engine = make_app(tokenizer)
     died: list[str] = []
