@@ -155,8 +155,9 @@ def run_vllm_client(python: str, base_url: str, model: str, served: str, args: a
                     out_dir: Path, label: str) -> Result:
     """``vllm bench serve`` against ``base_url``; its saved JSON result read back."""
     name = f"{re.sub(r'[^A-Za-z0-9]+', '_', label)}.json"
-    cmd = [python, "-c", _VLLM_BENCH, "--backend", "openai",
-           "--base-url", base_url, "--endpoint", "/v1/completions", "--model", served, "--tokenizer", model,
+    api = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions"] if args.chat else [
+        "--backend", "openai", "--endpoint", "/v1/completions"]
+    cmd = [python, "-c", _VLLM_BENCH, *api, "--base-url", base_url, "--model", served, "--tokenizer", model,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-prefix-len", str(args.prefix_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
@@ -293,8 +294,9 @@ def bench_one(name: str, server: ServerProcess, base_url: str, model: str, serve
 def print_table(results: list[Result], args: argparse.Namespace) -> None:
     client = "vllm bench serve" if args.client == "vllm" else "rtp load generator"
     shared = f"a shared prefix of {args.prefix_len} + " if args.prefix_len else ""
-    print(f"\n{args.num_prompts} prompts, {shared}{args.input_len} in / {args.output_len} out tokens, request rate "
-          f"{args.request_rate}, temperature {args.temperature}, client: {client}")
+    endpoint = "/v1/chat/completions" if args.chat else "/v1/completions"
+    print(f"\n{endpoint}, {args.num_prompts} prompts, {shared}{args.input_len} in / {args.output_len} out tokens, "
+          f"request rate {args.request_rate}, temperature {args.temperature}, client: {client}")
     print(f"{'server':<14} {'output tok/s':>12} {'mean TTFT ms':>13} {'median TTFT':>12} {'mean TPOT ms':>13} "
           f"{'done':>6} {'failed':>7}")
     for r in results:
@@ -331,6 +333,9 @@ def main() -> int:
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: at once)")
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="every request's temperature (default 1.0, the OpenAI API's; 0: greedy)")
+    ap.add_argument("--chat", action="store_true",
+                    help="/v1/chat/completions (each prompt one user message, the chat template applied; "
+                         "--client vllm only) instead of /v1/completions")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-gib", "--vllm-kv-gib", dest="kv_gib", type=int, default=2,
                     help="KV cache of each server in GiB: vLLM's VLLM_CPU_KVCACHE_SPACE, rtp's cpu_kv_cache_gib x TP")
@@ -346,6 +351,8 @@ def main() -> int:
         args.client = "vllm" if args.vllm_python else "rtp"
     if args.client == "vllm" and not args.vllm_python:
         ap.error("--client vllm needs --vllm-python")
+    if args.chat and args.client != "vllm":
+        ap.error("--chat needs --client vllm (rtp's load generator sends token-id prompts to /v1/completions)")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         ap.error("--num-prompts, --input-len and --output-len must be >= 1")
     if args.model is None:

@@ -6,9 +6,12 @@ sequence; this module is that bookkeeping.
 
 Prefix cache. Block ``i`` of a sequence that is full is named by
 ``h_i = xxh64(h_{i-1} || token_ids of block i)``, so equal hashes mean equal
-prefixes (up to 64-bit collisions). A hash is registered only once the block
-is full *and* its KV was computed (``cache_computed_blocks``, called after a
-step ran), never at allocation: until then the block holds garbage.
+prefixes (up to 64-bit collisions). A hash is registered once the block is
+full and the step that computes its KV is scheduled (``cache_computed_blocks``):
+a sequence admitted later in that same step may share it, because every layer
+stores the step's keys and values in the cache before its attention reads the
+cache (as vLLM registers a block when it allocates it for a step). Steps run
+in the order they are scheduled, so every later step finds the KV written.
 
 A block whose reference count drops to 0 keeps its hash and stays findable,
 parked in an LRU pool; it is evicted (hash entry dropped) only when a fresh
@@ -195,18 +198,17 @@ class BlockManager:
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
         return num_tokens
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the hashes of ``seq``'s blocks that are full and computed.
+    def cache_computed_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register the hashes of ``seq``'s full blocks among its first ``num_tokens`` positions (default: its
+        computed ones), which must be known tokens, computed or computed by the step being scheduled.
 
-        Call after the step that computed them ran. If another block already holds
-        the same content (two sequences with one prefix computed in the same step,
-        or a fully cached prompt whose last block was recomputed), the existing
-        entry is kept and this block stays hash-less: it returns to the plain pool
-        when freed. One hash never maps to two blocks and no block is lost.
+        If another block already holds the same content (a fully cached prompt whose last block was
+        recomputed, say), the existing entry is kept and this block stays hash-less: it returns to the plain
+        pool when freed. One hash never maps to two blocks and no block is lost.
         """
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         if full <= seq.num_hashed_blocks:
             return
         hashes = self.seq_block_hashes(seq)

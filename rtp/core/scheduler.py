@@ -15,7 +15,8 @@ Policy of one step:
    shortened to what fits.
 2. If nothing was preempted, forks and then waiting sequences are admitted in
    FCFS order while the budget, ``max_num_seqs`` and the free blocks allow,
-   each starting after its prefix-cache hit. The head of a queue is never
+   each starting after its prefix-cache hit (which may be blocks that an
+   earlier admission of the same step computes). The head of a queue is never
    skipped, so no request starves: the oldest running sequence always
    progresses, and everything it holds is freed when it finishes.
 
@@ -220,7 +221,7 @@ class Scheduler:
             if seq.needs_prompt_logits and computed >= seq.num_prompt_tokens - 1:
                 seq.needs_prompt_logits = False  # the engine consumed this step's prompt logits
             if caching and computed // bs > seq.num_hashed_blocks:  # a block filled up
-                bm.cache_computed_blocks(seq)  # only now is the KV of these blocks real
+                bm.cache_computed_blocks(seq)  # a running chunk or decode filled a block
             if token is None:
                 continue
             if forks and seq.seq_id in forks:
@@ -372,6 +373,8 @@ class Scheduler:
                 if cfg.enable_prefix_caching:
                     self.counters.prefix_query_tokens += seq.num_tokens
                     self.counters.prefix_hit_tokens += start
+            # The blocks this step fills are findable at once: a later admission of this step may share them.
+            bm.cache_computed_blocks(seq, start + n)
             if seq.needs_prompt_logits:
                 logit_rows -= n
             seq.status = SequenceStatus.RUNNING

@@ -39,9 +39,9 @@ def test_moe_shared_prefix_is_computed_once_and_output_is_unchanged(moe, tmp_pat
     )
     torchrun(PREFIX_WORKER, 2, str(tmp_path / "c.yaml"), str(tmp_path / "prompts.json"), str(tmp_path / "out.json"))
     a, b = json.loads((tmp_path / "out.json").read_text())
+    assert a["hits"] >= 2 * 96 and 96 <= a["computed"] <= 101 + 2 * 5, a  # shared within the first batch's step
     assert b["hits"] >= 3 * 96
     assert b["computed"] <= 3 * 5 + 3, b
-    assert a["computed"] > b["computed"] + 150
     with torch.no_grad():
         for batch, res in ((first, a), (second, b)):
             assert res["tokens"] == [hf_greedy(hf, p, 8) for p in batch]

@@ -1,4 +1,5 @@
-"""Prefix caching end to end (TP=2): a second batch sharing a long prefix computes fewer tokens, same output."""
+"""Prefix caching end to end (TP=2): prompts sharing a long prefix compute it once, in one batch and across
+batches, with the same output."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ def test_shared_prefix_is_computed_once_and_output_is_unchanged(tmp_path):
     torchrun(WORKER, 2, str(tmp_path / "c.yaml"), str(tmp_path / "prompts.json"), str(tmp_path / "out.json"))
     a, b = json.loads((tmp_path / "out.json").read_text())
 
-    # The second batch finds the 10 shared blocks of each prompt in the cache.
+    # The first batch computes the prefix once (its other two prompts share the blocks the first one computes
+    # in the same step); the second batch finds the 10 shared blocks of each prompt in the cache.
+    assert a["hits"] >= 2 * 160 and 160 <= a["computed"] <= 165 + 2 * 5, a
     assert b["hits"] >= 3 * 160
     assert b["computed"] <= 3 * 5 + 3, b
-    assert a["computed"] > b["computed"] + 300
     assert all(c >= 160 for c in b["cached"])
 
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
