@@ -171,8 +171,7 @@ def run_vllm_client(python: str, base_url: str, model: str, served: str, args: a
                            f"{proc.stderr[-3000:]}")
     data = json.loads((out_dir / name).read_text())
     return Result(label, data["output_throughput"], data["mean_ttft_ms"], data["median_ttft_ms"], data["mean_tpot_ms"],
-                  data["completed"],
-                  data.get("failed", args.num_prompts - data["completed"]))
+                  data["completed"], data.get("failed", args.num_prompts - data["completed"]))
 
 
 async def _sse_lines(r: httpx.Response) -> AsyncIterator[str]:
@@ -301,8 +300,7 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
           f"{'done':>6} {'failed':>7}")
     for r in results:
         print(f"{r.engine:<14} {r.output_tok_s:>12.1f} {r.mean_ttft_ms:>13.1f} {r.median_ttft_ms:>12.1f} "
-              f"{r.mean_tpot_ms:>13.2f} "
-              f"{r.completed:>6} {r.failed:>7}")
+              f"{r.mean_tpot_ms:>13.2f} {r.completed:>6} {r.failed:>7}")
         for e in r.extra.get("errors", []):
             print(f"    error: {e}")
     peer = next((r for r in results if r.engine == "vLLM"), None)
