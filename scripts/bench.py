@@ -18,11 +18,14 @@
 Every engine runs in a child process of its own, one after the other (never two
 at once), on the same checkpoint and the same requests, in the same dtype, greedy
 (or sampled at ``--temperature``, ``--top-p`` if given, no top-k) with EOS ignored, prefix caching
-off. For each it reports:
+off; with ``--prefix-len N`` every prompt starts with the same N tokens (a system prompt) and prefix caching
+is on in rtp and vLLM, so a shared prefix is computed once (the floor counts it once; HF computes it for every
+prompt). For each it reports:
 
 * whole process: wall time of the child, start to exit (imports, load, warm-up, runs);
 * generate(): the timed batch (all requests submitted at once);
-* prefill tok/s: prompt tokens / time of the same batch with max_tokens=1;
+* prefill tok/s: prompt tokens / time of the same batch with max_tokens=1 (with ``--prefix-len``, its
+  shared prefix replaced by another, so that it is not in the cache yet);
 * decode ms/step: (generate - prefill-only) / decode steps, where a continuous-batching
   engine takes max(output len) - 1 steps and HF (batched by --hf-batch, left-padded)
   takes the sum over its batches of max(output len in batch) - 1;
@@ -50,6 +53,7 @@ compare the ratios of one run.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -109,7 +113,7 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     rt = rtp.init(None, model=args.model, device=args.device, dtype=args.dtype, log_level="WARNING",
-                  enable_prefix_caching=False, max_num_seqs=256, enforce_eager=args.device == "cpu",
+                  enable_prefix_caching=args.prefix_len > 0, max_num_seqs=256, enforce_eager=args.device == "cpu",
                   cpu_kv_cache_gib=KV_CACHE_GIB,
                   quantization=args.quantization if args.quantization != "none" else None,
                   speculative_config=spec)
@@ -117,7 +121,7 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
     params = [rtp.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
               for _, n in reqs]
     prompts = [p for p, _ in reqs]
-    warm = prompts[:2]
+    warm = [p[args.prefix_len:] for p in prompts[:2]]  # not the shared prefix: the timed batch computes it
     rtp.generate(warm, [rtp.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * len(warm),
                  use_tqdm=False)  # warm-up
     before = rt.engine.stats()
@@ -125,7 +129,8 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
                                    probe=args.device == "cpu")
     after = rt.engine.stats()
     t0 = time.perf_counter()
-    rtp.generate(prompts, rtp.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    rtp.generate(prefill_prompts(args, prompts), rtp.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                 use_tqdm=False)
     prefill_s = time.perf_counter() - t0
     rtp.shutdown()
     spec_stats = {k: after[k] - before.get(k, 0) for k in after if k.startswith("spec_")}
@@ -177,20 +182,28 @@ def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> d
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=args.vllm_mode == "eager",
-              enable_prefix_caching=False, max_num_seqs=256, seed=0, speculative_config=spec)
+              enable_prefix_caching=args.prefix_len > 0, max_num_seqs=256, seed=0, speculative_config=spec)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True,
                              detokenize=False) for _, n in reqs]
-    warm = prompts[:2]
+    warm = [{"prompt_token_ids": p[args.prefix_len:]} for p, _ in reqs[:2]]
     llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)] * len(warm),
                  use_tqdm=False)
     outs, gen_s, gbs = timed_batch(lambda: llm.generate(prompts, params, use_tqdm=False), args.threads)
     t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False),
-                 use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in prefill_prompts(args, [p for p, _ in reqs])],
+                 SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
     prefill_s = time.perf_counter() - t0
     return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=max(n for _, n in reqs) - 1,
                 outputs=[list(o.outputs[0].token_ids) for o in outs], read_gbs=gbs)
+
+
+def prefill_prompts(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts of the prefill-only run: with a shared prefix, another one (the timed batch cached the first)."""
+    if not args.prefix_len:
+        return prompts
+    other = [(t + 1) % args.vocab for t in prompts[0][: args.prefix_len]]
+    return [other + p[args.prefix_len:] for p in prompts]
 
 
 CHILDREN = {"rtp": child_rtp, "hf": child_hf, "vllm": child_vllm}
@@ -301,14 +314,14 @@ def machine_line(threads: int, device: str, dtype_name: str = "float32") -> tupl
 
 
 def roofline_floor(model_dir: str, reqs: list[tuple[list[int], int]], bytes_per_param: int, gflops: float,
-                   gbs: float) -> float:
+                   gbs: float, shared: int = 0) -> float:
     """Seconds the hardware needs at best for ``reqs`` under continuous batching.
 
     Prefill: every prompt token's matmul FLOPs at the measured GEMM rate. Decode step s (batch =
     requests still generating): the larger of the matmul weights' bytes / read bandwidth and the
     step's matmul FLOPs / GEMM rate. Matmul parameters: every layer's projections plus the LM head
     (a tied embedding counts once; a prompt runs it for its last token only); attention and the KV
-    cache are left out (a lower bound).
+    cache are left out (a lower bound). ``shared``: prompt tokens every request starts with, computed once.
     """
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     h, layers, d = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("head_dim") or cfg["hidden_size"] // cfg[
@@ -322,7 +335,7 @@ def roofline_floor(model_dir: str, reqs: list[tuple[list[int], int]], bytes_per_
     body_flops, head_flops = 2 * layers * (attn + mlp), 2 * h * cfg["vocab_size"]
     flops_per_token = body_flops + head_flops
     step_bytes = (layers * (attn + mlp_bytes_params) + h * cfg["vocab_size"]) * bytes_per_param
-    prompt_tokens = sum(len(p) for p, _ in reqs)
+    prompt_tokens = sum(len(p) for p, _ in reqs) - shared * (len(reqs) - 1)
     # A prompt needs the LM head for its last token only (the one that samples).
     seconds = (prompt_tokens * body_flops + len(reqs) * head_flops) / (gflops * 1e9)
     for step in range(1, max(n for _, n in reqs)):
@@ -376,6 +389,9 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="40m")
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--output-len", type=int, help="every request's output length (default: the workload's mix)")
+    ap.add_argument("--prefix-len", type=int, default=0,
+                    help="tokens every prompt starts with (a shared system prompt; turns prefix caching on)")
+    ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)  # child mode: the model's vocabulary
     ap.add_argument("--tp", default="1", help="comma-separated rtp TP sizes, e.g. 1,2 (TP>1 uses torchrun)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="cores for each engine")
     ap.add_argument("--hf-batch", type=int, default=8, help="HF generate() batch size (left-padded)")
@@ -403,7 +419,7 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.engine:  # child: run one engine and write its result
-        reqs = [(p, n) for p, n in json.loads(os.environ["RTP_BENCH_WORKLOAD"])]
+        reqs = [(p, n) for p, n in json.loads(Path(os.environ["RTP_BENCH_WORKLOAD"]).read_text())]
         res = CHILDREN[args.engine](args, reqs)
         if res is not None:
             Path(args.result).write_text(json.dumps(res))
@@ -418,13 +434,25 @@ def main() -> None:
     reqs = workload(args.num_requests, vocab, quick=args.quick, preset=shape)
     if args.output_len:
         reqs = [(p, args.output_len) for p, _ in reqs]
+    if args.prefix_len < 0:
+        ap.error("--prefix-len must be >= 0")
+    if args.prefix_len:
+        rng = random.Random(1)
+        prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)]
+        reqs = [(prefix + p, n) for p, n in reqs]
     prompt_tokens = sum(len(p) for p, _ in reqs)
     weight_bytes = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
 
-    base_env = {**os.environ, "RTP_BENCH_WORKLOAD": json.dumps(reqs), "PYTHONPATH": str(ROOT)}
+    # The requests go to the children in a file (an environment variable holds at most 128 KiB).
+    workload_file = tempfile.NamedTemporaryFile("w", prefix="rtp-bench-", suffix=".json", delete=False)
+    with workload_file:
+        json.dump(reqs, workload_file)
+    atexit.register(Path(workload_file.name).unlink, missing_ok=True)
+    base_env = {**os.environ, "RTP_BENCH_WORKLOAD": workload_file.name, "PYTHONPATH": str(ROOT)}
     me = [str(Path(__file__).resolve()), "--model", args.model, "--device", args.device,
           "--hf-batch", str(args.hf_batch), "--dtype", args.dtype, "--temperature", str(args.temperature),
-          "--top-p", str(args.top_p), "--threads", str(args.threads)]
+          "--top-p", str(args.top_p), "--threads", str(args.threads), "--prefix-len", str(args.prefix_len),
+          "--vocab", str(vocab)]
     if args.speculative_config:
         me += ["--speculative-config", args.speculative_config]
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: args.threads])
@@ -468,7 +496,8 @@ def main() -> None:
                 res["decode_ms"] = (res["generate_s"] - res["prefill_s"]) / max(1, res["decode_steps"]) * 1e3
                 if gbs and res.get("read_gbs"):  # the floor at the bandwidth of this engine's own minutes
                     for key, read in (("over_floor", max(res["read_gbs"])), ("over_floor_lo", min(res["read_gbs"]))):
-                        res[key] = res["generate_s"] / roofline_floor(args.model, reqs, bytes_per_param, gflops, read)
+                        res[key] = res["generate_s"] / roofline_floor(args.model, reqs, bytes_per_param, gflops, read,
+                                                                         args.prefix_len)
                 rounds.setdefault(name, []).append(res)
     results = {name: median_result(rs) for name, rs in rounds.items()}
 
@@ -477,12 +506,13 @@ def main() -> None:
     print(f"model: {args.model} ({weight_bytes / 1e6:.0f} MB of weights)")
     print(f"workload: {len(reqs)} requests, prompts {min(len(p) for p, _ in reqs)}-{max(len(p) for p, _ in reqs)} "
           f"({prompt_tokens} tokens), outputs {min(n for _, n in reqs)}-{max(n for _, n in reqs)} "
-          f"({sum(n for _, n in reqs)} tokens), {args.dtype}, "
+          f"({sum(n for _, n in reqs)} tokens){f', a shared prefix of {args.prefix_len}' if args.prefix_len else ''}, "
+          f"{args.dtype}, "
           f"{'greedy' if not args.temperature else f'temperature {args.temperature}'}"
           f"{f', top_p {args.top_p}' if args.temperature and args.top_p < 1 else ''}, EOS ignored")
     floor = 0.0
     if gbs:
-        floor = roofline_floor(args.model, reqs, bytes_per_param, gflops, gbs)
+        floor = roofline_floor(args.model, reqs, bytes_per_param, gflops, gbs, args.prefix_len)
         print(f"roofline floor of generate(): {floor:.2f} s at the start's {gbs:.0f} GB/s (prefill FLOPs at "
               f"{gflops:.0f} GFLOP/s, each decode step max(weight bytes / read bandwidth, FLOPs / GEMM rate));\n"
               f"each engine's '/ floor' is its generate() over the floor at the lower, then the higher, of the read "
