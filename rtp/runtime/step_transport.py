@@ -102,6 +102,11 @@ class StepTransport:
             failure = self.watchdog.report(found)  # the first failure wins, whoever saw it
             fail_all(failure.message)
             raise _error(failure) from e
+        except BaseException as e:
+            # A second stop signal interrupts a step in the middle: the workers may sit in its collectives and
+            # the scheduler's view of the step (blocks it registered for the step's KV) never came true.
+            self.failed = f"a step was interrupted ({type(e).__name__})"
+            raise
         finally:
             self.in_step = False
             if self.stop_signal is not None:

@@ -4,8 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rtp.errors import WorkerDiedError
+from rtp.errors import RtpError, WorkerDiedError
 from rtp.runtime.coordinator import Runtime
+from rtp.runtime.step_transport import StepTransport
 
 STATS = dict.fromkeys(["num_prefill_tokens_computed", "num_decode_tokens", "prefix_hit_tokens", "num_preemptions"], 0)
 
@@ -50,3 +51,22 @@ def test_a_failing_step_ends_the_progress_line_and_aborts_the_batch(capsys):
     assert raised.value.__traceback__ is not None
     assert "generate:" in err and err.endswith("\n"), repr(err)
     assert engine.aborted == ["r1", "r2"]
+
+
+def test_a_step_interrupted_in_the_middle_leaves_the_runtime_failed():
+    # A second Ctrl-C raises inside a step: the workers may sit in its collectives and blocks the scheduler
+    # registered for the step's KV were never written, so no later step may run (and close() skips the
+    # shutdown handshake, as after any failed step).
+    transport = object.__new__(StepTransport)  # only what run_step touches
+    transport.watchdog = SimpleNamespace(failure=None)
+    transport.heartbeat = SimpleNamespace(finish_step=lambda: None)
+    transport.failed, transport.in_step, transport.stop_signal = None, False, None
+
+    def interrupted() -> list:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        transport.run_step(interrupted, lambda message: None)
+    assert transport.failed is not None and not transport.in_step
+    with pytest.raises(RtpError, match="failed earlier"):
+        transport.run_step(lambda: [], lambda message: None)
