@@ -76,14 +76,14 @@ class World:
             assert seq.block_table[: len(m["blocks"])] == m["blocks"]
         # "Run" the step as a layer does: first write the KV of the query positions, never into a shared block
         # other than one this step fills for the first time (a later admission of the step may share it)...
-        fresh = {b for ns in plan.new_seqs for b in ns.block_table[ns.num_computed_tokens // self.bs:]}
-        fresh.update(b for cs in plan.cached_seqs for b in cs.new_block_ids)
+        fresh = {b: ns.seq_id for ns in plan.new_seqs for b in ns.block_table[ns.num_computed_tokens // self.bs:]}
+        fresh.update((b, cs.seq_id) for cs in plan.cached_seqs for b in cs.new_block_ids)  # block -> who got it
         for item in result.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens + busy.get(seq.seq_id, 0)
             for p in range(start, start + item.num_new_tokens):
                 block = seq.block_table[p // self.bs]
-                assert bm.ref_count(block) == 1 or block in fresh, f"writing into shared block {block}"
+                assert bm.ref_count(block) == 1 or fresh.get(block) == seq.seq_id, f"writing into shared block {block}"
                 self.kv[block][p % self.bs] = tuple(seq.token_ids[: p + 1])
         # ... then attend: computed positions (cache hits and chunks in flight included) hold this sequence's KV.
         for item in result.scheduled:
