@@ -214,11 +214,58 @@ static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n,
 // v_j = v + j * stride, each value loaded once for all rows: 64 outputs per row at a time stay in
 // registers over all n keys (one store per 64 outputs, not one per key). next: as for dots_f, each value's
 // 64 outputs' lines as they are read.
+// pv_f for bf16 values with AVX-512, 32 * G outputs at a time: each 64-byte load of a value's 32 bf16 gives two
+// registers of fp32 with two instructions, its 16 even elements (a shift) and its 16 odd ones (a mask), where
+// widening 16 at a time takes a zero-extend and a shift per 16. The outputs are kept in that pair-split order in
+// acc (of each 32, the 16 even, then the 16 odd; decode_impl's split() reads them back in order); each output's
+// sum is the same as before, in the same order. Alternated against widening 16 at a time on a 2-core Zen 4,
+// Qwen3-0.6B's heads, outputs bit-identical: 32 or 8 sequences of ~600 tokens sharing 512 (the kernel
+// compute-bound) 1.08-1.11x, 32 of ~160 1.01-1.06x, 8 of ~100 0.99-1.04x.
+#if defined(__AVX512F__)
+template <int NQ, int G, typename T>
+static inline void pv_split(float* acc, const float* p, int64_t lp, const T* v, int64_t stride, int64_t n, int64_t D,
+                            const T* next, int64_t& d) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (; d + 32 * G <= D; d += 32 * G) {
+    vf a[NQ][2 * G];
+    for (int r = 0; r < NQ; ++r)
+#pragma GCC unroll 8
+      for (int u = 0; u < 2 * G; ++u) a[r][u] = loadv(acc + r * D + d + VW * u);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vj = v + j * stride + d;
+      if (next != nullptr)
+        for (int l = 0; l < G; ++l)
+          __builtin_prefetch(reinterpret_cast<const char*>(next + j * stride + d) + l * 64, 0, 2);
+      float pj[NQ];
+      for (int r = 0; r < NQ; ++r) pj[r] = p[r * lp + j];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m512i kv = _mm512_loadu_si512(vj + 32 * g);
+        const vf ve = (vf)_mm512_slli_epi32(kv, 16), vo = (vf)_mm512_and_si512(kv, high);
+        for (int r = 0; r < NQ; ++r) a[r][2 * g] += pj[r] * ve, a[r][2 * g + 1] += pj[r] * vo;
+      }
+    }
+    for (int r = 0; r < NQ; ++r)
+#pragma GCC unroll 8
+      for (int u = 0; u < 2 * G; ++u) storev(acc + r * D + d + VW * u, a[r][u]);
+  }
+}
+#endif
+
 template <int NQ, typename T>
 static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int64_t stride, int64_t n, int64_t D,
                         const T* next) {
   int64_t d = 0;
   constexpr int NV = 64 / VW;  // vectors of 64 outputs
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (D % 32 == 0) {  // acc in pair-split order: a 64-byte load of values is 16 even + 16 odd
+      pv_split<NQ, 2>(acc, p, lp, v, stride, n, D, next, d);
+      pv_split<NQ, 1>(acc, p, lp, v, stride, n, D, next, d);
+      return;
+    }
+  }
+#endif
   for (; d + 64 <= D; d += 64) {
     vf a[NQ][NV];
     for (int r = 0; r < NQ; ++r)
@@ -322,6 +369,13 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   const int64_t slot_lines = (cache.num_kv_heads * cache.head_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t nq = rep % ROW_PAIR == 0 ? ROW_PAIR : 1;  // rows i, i + 1 share a KV head when rep is even
+#if defined(__AVX512F__)
+  const bool pair_split = std::is_same_v<T, at::BFloat16> && D % 32 == 0;
+#else
+  const bool pair_split = false;
+#endif
+  // Where output d lies in acc: pv_f's pair-split order for bf16 (of each 32 outputs, the 16 even, then the odd).
+  auto split = [pair_split](int64_t d) { return pair_split ? d / 32 * 32 + d % 2 * 16 + d % 32 / 2 : d; };
   at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), acc(Hq * D), scores, row_max(Hq), row_sum(Hq);
     for (int64_t task = begin; task < end; ++task) {
@@ -382,7 +436,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
       if (S == 1) {
         for (int64_t i = 0; i < Hq; ++i) {
           const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
-          for (int64_t d = 0; d < D; ++d) op[(b * Hq + i) * D + d] = static_cast<T>(acc[i * D + d] * inv);
+          for (int64_t d = 0; d < D; ++d) op[(b * Hq + i) * D + d] = static_cast<T>(acc[i * D + split(d)] * inv);
         }
       } else {
         std::copy(row_max.begin(), row_max.end(), part_max.begin() + task * Hq);
@@ -410,7 +464,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
         }
       }
       const float inv = total > 0.f ? 1.f / total : 0.f;
-      for (int64_t d = 0; d < D; ++d) op[row * D + d] = static_cast<T>(o[d] * inv);
+      for (int64_t d = 0; d < D; ++d) op[row * D + d] = static_cast<T>(o[split(d)] * inv);
     }
   });
 }

@@ -37,6 +37,9 @@ CASES = [c for c in CPU_CASES if c.decode] + [
     Case("decode-many-d128", [1] * 64, [1 + (11 * i) % 140 for i in range(64)], 16, 8, 128, 16),
     # one long sequence: its keys in ranges cut mid-block (multiples of 8 keys), merged at the end
     Case("decode-one-long-d128", [1], [1000], 16, 8, 128, 16),
+    # head_dim 96: bf16 values in pair-split groups of 64 outputs, then one of 32 (pv_split), few and many sequences
+    Case("decode-gqa-d96", [1] * 3, [9, 40, 300], 8, 4, 96, 16),
+    Case("decode-gqa-d96-many", [1] * 24, [1 + (13 * i) % 70 for i in range(24)], 8, 4, 96, 16),
 ]
 
 
