@@ -221,6 +221,15 @@ static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n,
 // sum is the same as before, in the same order. Alternated against widening 16 at a time on a 2-core Zen 4,
 // Qwen3-0.6B's heads, outputs bit-identical: 32 or 8 sequences of ~600 tokens sharing 512 (the kernel
 // compute-bound) 1.08-1.11x, 32 of ~160 1.01-1.06x, 8 of ~100 0.99-1.04x.
+template <typename T>
+static constexpr bool pair_split_values(int64_t D) {  // whether pv_f keeps a row's outputs in pair-split order
+#if defined(__AVX512F__)
+  return std::is_same_v<T, at::BFloat16> && D % 32 == 0;
+#else
+  return false;
+#endif
+}
+
 #if defined(__AVX512F__)
 template <int NQ, int G, typename T>
 static inline void pv_split(float* acc, const float* p, int64_t lp, const T* v, int64_t stride, int64_t n, int64_t D,
@@ -259,7 +268,7 @@ static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int6
   constexpr int NV = 64 / VW;  // vectors of 64 outputs
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (D % 32 == 0) {  // acc in pair-split order: a 64-byte load of values is 16 even + 16 odd
+    if (pair_split_values<T>(D)) {  // acc in pair-split order: a 64-byte load of values is 16 even + 16 odd
       pv_split<NQ, 2>(acc, p, lp, v, stride, n, D, next, d);
       pv_split<NQ, 1>(acc, p, lp, v, stride, n, D, next, d);
       return;
@@ -369,12 +378,8 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   const int64_t slot_lines = (cache.num_kv_heads * cache.head_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t nq = rep % ROW_PAIR == 0 ? ROW_PAIR : 1;  // rows i, i + 1 share a KV head when rep is even
-#if defined(__AVX512F__)
-  const bool pair_split = std::is_same_v<T, at::BFloat16> && D % 32 == 0;
-#else
-  const bool pair_split = false;
-#endif
   // Where output d lies in acc: pv_f's pair-split order for bf16 (of each 32 outputs, the 16 even, then the odd).
+  const bool pair_split = pair_split_values<T>(D);
   auto split = [pair_split](int64_t d) { return pair_split ? d / 32 * 32 + d % 2 * 16 + d % 32 / 2 : d; };
   at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), acc(Hq * D), scores, row_max(Hq), row_sum(Hq);
