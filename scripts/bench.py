@@ -108,7 +108,7 @@ def workload(n: int, vocab: int, seed: int = 0, quick: bool = False, preset: str
 # --------------------------------------------------------------------------- children
 
 
-def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict | None:
+def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]], prefill: list[list[int]]) -> dict | None:
     import rtp
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
@@ -129,8 +129,7 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
                                    probe=args.device == "cpu")
     after = rt.engine.stats()
     t0 = time.perf_counter()
-    rtp.generate(prefill_prompts(args, prompts), rtp.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                 use_tqdm=False)
+    rtp.generate(prefill, rtp.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     prefill_s = time.perf_counter() - t0
     rtp.shutdown()
     spec_stats = {k: after[k] - before.get(k, 0) for k in after if k.startswith("spec_")}
@@ -138,7 +137,7 @@ def child_rtp(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
                 outputs=[list(o.token_ids) for o in outs], spec=spec_stats, read_gbs=gbs)
 
 
-def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
+def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]], prefill: list[list[int]]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -171,13 +170,13 @@ def child_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dic
     run(reqs[:2], 2)  # warm-up
     outs, gen_s, gbs = timed_batch(lambda: run(reqs, None), args.threads, probe=dev.type == "cpu")
     t0 = time.perf_counter()
-    run(reqs, 1)
+    run([(p, 1) for p in prefill], 1)
     prefill_s = time.perf_counter() - t0
     steps = sum(max(n for _, n in reqs[i : i + args.hf_batch]) - 1 for i in range(0, len(reqs), args.hf_batch))
     return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=steps, outputs=outs, read_gbs=gbs)
 
 
-def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
+def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]], prefill: list[list[int]]) -> dict:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
@@ -191,19 +190,11 @@ def child_vllm(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> d
                  use_tqdm=False)
     outs, gen_s, gbs = timed_batch(lambda: llm.generate(prompts, params, use_tqdm=False), args.threads)
     t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prefill_prompts(args, [p for p, _ in reqs])],
+    llm.generate([{"prompt_token_ids": p} for p in prefill],
                  SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
     prefill_s = time.perf_counter() - t0
     return dict(generate_s=gen_s, prefill_s=prefill_s, decode_steps=max(n for _, n in reqs) - 1,
                 outputs=[list(o.outputs[0].token_ids) for o in outs], read_gbs=gbs)
-
-
-def prefill_prompts(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
-    """The prompts of the prefill-only run: with a shared prefix, another one (the timed batch cached the first)."""
-    if not args.prefix_len:
-        return prompts
-    other = [(t + 1) % args.vocab for t in prompts[0][: args.prefix_len]]
-    return [other + p[args.prefix_len:] for p in prompts]
 
 
 CHILDREN = {"rtp": child_rtp, "hf": child_hf, "vllm": child_vllm}
@@ -391,7 +382,6 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, help="every request's output length (default: the workload's mix)")
     ap.add_argument("--prefix-len", type=int, default=0,
                     help="tokens every prompt starts with (a shared system prompt; turns prefix caching on)")
-    ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)  # child mode: the model's vocabulary
     ap.add_argument("--tp", default="1", help="comma-separated rtp TP sizes, e.g. 1,2 (TP>1 uses torchrun)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="cores for each engine")
     ap.add_argument("--hf-batch", type=int, default=8, help="HF generate() batch size (left-padded)")
@@ -419,8 +409,9 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.engine:  # child: run one engine and write its result
-        reqs = [(p, n) for p, n in json.loads(Path(os.environ["RTP_BENCH_WORKLOAD"]).read_text())]
-        res = CHILDREN[args.engine](args, reqs)
+        workload_json = json.loads(Path(os.environ["RTP_BENCH_WORKLOAD"]).read_text())
+        reqs = [(p, n) for p, n in workload_json["requests"]]
+        res = CHILDREN[args.engine](args, reqs, workload_json["prefill"])
         if res is not None:
             Path(args.result).write_text(json.dumps(res))
         return
@@ -436,23 +427,24 @@ def main() -> None:
         reqs = [(p, args.output_len) for p, _ in reqs]
     if args.prefix_len < 0:
         ap.error("--prefix-len must be >= 0")
+    prefill = [p for p, _ in reqs]  # the prompts of the prefill-only run
     if args.prefix_len:
         rng = random.Random(1)
-        prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)]
+        prefix, other = ([rng.randrange(vocab) for _ in range(args.prefix_len)] for _ in range(2))
         reqs = [(prefix + p, n) for p, n in reqs]
+        prefill = [other + p for p in prefill]  # another shared prefix: the timed batch cached the first
     prompt_tokens = sum(len(p) for p, _ in reqs)
     weight_bytes = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
 
     # The requests go to the children in a file (an environment variable holds at most 128 KiB).
     workload_file = tempfile.NamedTemporaryFile("w", prefix="rtp-bench-", suffix=".json", delete=False)
     with workload_file:
-        json.dump(reqs, workload_file)
+        json.dump({"requests": reqs, "prefill": prefill}, workload_file)
     atexit.register(Path(workload_file.name).unlink, missing_ok=True)
     base_env = {**os.environ, "RTP_BENCH_WORKLOAD": workload_file.name, "PYTHONPATH": str(ROOT)}
     me = [str(Path(__file__).resolve()), "--model", args.model, "--device", args.device,
           "--hf-batch", str(args.hf_batch), "--dtype", args.dtype, "--temperature", str(args.temperature),
-          "--top-p", str(args.top_p), "--threads", str(args.threads), "--prefix-len", str(args.prefix_len),
-          "--vocab", str(vocab)]
+          "--top-p", str(args.top_p), "--threads", str(args.threads), "--prefix-len", str(args.prefix_len)]
     if args.speculative_config:
         me += ["--speculative-config", args.speculative_config]
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: args.threads])
