@@ -23,9 +23,20 @@ go). Against the whole next block prefetched into L1 at once at the start of eac
 caches are in memory, alternated in one process: Qwen3-0.6B's heads (16 / 8 of 128), 8 sequences of
 60-130 tokens bf16 1.69x, fp32 1.06x; 32 sequences of 100-317 1.92x / 1.10x; one of 1000 1.56x / 1.19x;
 the 40M's heads (8 / 4 of 64), 24 sequences of 40-155 2.16x / 1.49x. (Before the per-block prefetch
-existed it ran at a fifth of the read bandwidth.) Tried and left: scoring bf16 keys with ``vdpbf16ps``
-(0.78x with the cache in L3: four instructions a sum before each fold), the cache in huge pages (the
-kernel 1.1-1.16x, but 32 sampled requests at Qwen3-0.6B's dimensions 0.95-0.97x end to end).
+existed it ran at a fifth of the read bandwidth.) Tried and left: the cache in huge pages (the kernel
+1.1-1.16x, but 32 sampled requests at Qwen3-0.6B's dimensions 0.95-0.97x end to end).
+
+With AVX-512 BF16, bf16 caches whose head dim is a multiple of 32 take pair products (``dots_pairs``,
+``pv_pairs_dec``): a key's 32 bf16 against the query's in one ``vdpbf16ps`` (the query unscaled, the sums
+scaled in fp32), two keys' values interleaved by two unpacks against their softmax numerators rounded to bf16
+(as the prompt kernel's pair tiles and flash attention do; the row sums stay fp32). With them the rows' maxima
+are taken a register at a time and the outputs put back in order a register at a time (a running scalar
+maximum and a scalar conversion per output had become a fifth of a call). Alternated in one process on a
+2-core Zen 4 at Qwen3-0.6B's heads against the kernel before (widening bf16 to fp32), warm / with the cache
+in memory: 8 sequences of ~100 keys 1.27x / 1.07x, 32 of ~160 1.28x / 1.06x, 32 of ~600 sharing 512 1.27x /
+1.22x, 8 of ~1000 1.18x / 1.02x (memory-bound there); fp32 1.01-1.04x (the maxima), bit for bit the same.
+(Scoring keys alone with ``vdpbf16ps`` had measured 0.78x: four instructions a sum before each fold, and
+the scalar maxima and outputs around it.)
 
 Prompt chunks and mixed steps (:func:`paged_prefill_attention_cpu`) take the varlen kernel: one
 task per (sequence, KV head, chunk of 128 queries), an online softmax over the sequence's cached
@@ -111,7 +122,7 @@ _SOURCE = SIMD_HEADER + r"""
 #define RTP_HSUM8X8 1
 // Lane j = the sum of a[j]'s eight lanes: eight dot products finished at once (a tree of shuffles and
 // adds, instead of eight horizontal sums one lane at a time).
-static inline v8f hsum8x8(const v8f* a) {
+__attribute__((always_inline)) static inline v8f hsum8x8(const v8f* a) {
   const v8f x01 = __builtin_shufflevector(a[0], a[1], 0, 8, 2, 10, 4, 12, 6, 14) +
                   __builtin_shufflevector(a[0], a[1], 1, 9, 3, 11, 5, 13, 7, 15);
   const v8f x23 = __builtin_shufflevector(a[2], a[3], 0, 8, 2, 10, 4, 12, 6, 14) +
@@ -214,9 +225,10 @@ static inline void dots_f(const float* q, const T* k, int64_t stride, int64_t n,
 // v_j = v + j * stride, each value loaded once for all rows: 64 outputs per row at a time stay in
 // registers over all n keys (one store per 64 outputs, not one per key). next: as for dots_f, each value's
 // 64 outputs' lines as they are read.
-// pv_f for bf16 values with AVX-512, 32 * G outputs at a time: each 64-byte load of a value's 32 bf16 gives two
-// registers of fp32 with two instructions, its 16 even elements (a shift) and its 16 odd ones (a mask), where
-// widening 16 at a time takes a zero-extend and a shift per 16. The outputs are kept in that pair-split order in
+// pv_f for bf16 values with AVX-512 but not its BF16 (with it the decode kernel takes pv_pairs_dec), 32 * G outputs
+// at a time: each 64-byte load of a value's 32 bf16 gives two registers of fp32 with two instructions, its 16
+// even elements (a shift) and its 16 odd ones (a mask), where widening 16 at a time takes a zero-extend and a
+// shift per 16. The outputs are kept in that pair-split order in
 // acc (of each 32, the 16 even, then the 16 odd; decode_impl's split() reads them back in order); each output's
 // sum is the same as before, in the same order. Alternated against widening 16 at a time on a 2-core Zen 4,
 // Qwen3-0.6B's heads, outputs bit-identical: 32 or 8 sequences of ~600 tokens sharing 512 (the kernel
@@ -313,6 +325,167 @@ static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int6
   }
 }
 
+#if defined(__AVX512BF16__) && defined(RTP_HSUM8X8)
+#define RTP_PAIR_DECODE 1
+// bf16 caches on CPUs with AVX-512 BF16, head dims a multiple of 32: the decode kernel in pair products
+// (vdpbf16ps), read in place. Scores: a 64-byte load of q's and of a key's 32 bf16 is one vdpbf16ps (16 sums of
+// two products) instead of two widenings and two FMAs; the sums are scaled in fp32 afterwards. Values: keys j and
+// j + 1's 32 bf16 interleaved by two unpacks give the (v_j[d], v_j+1[d]) pairs of 16 + 16 outputs, one vdpbf16ps
+// each with the pair (p_j, p_j+1) of softmax numerators rounded to bf16 (as the prompt kernel's pair tiles and
+// flash attention do; the row sums stay fp32). An unpack works within 128-bit lanes, so the outputs lie in acc
+// in that order: see pair_decode_slot.
+template <int NQ>
+static inline void dots_pairs(const at::BFloat16* q, const at::BFloat16* k, int64_t stride, int64_t n, int64_t D,
+                              float* s, int64_t ls, const at::BFloat16* next, float scale) {
+  const int64_t lines = D * 2 / 64;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    vf a[NQ][8] = {};
+    const at::BFloat16* kj = k + j * stride;
+    int64_t pk = 0, pl = 0;  // the prefetch cursor: eight keys' 64-byte pieces a step
+    for (int64_t d = 0; d < D; d += 32) {
+      if (next != nullptr) prefetch_lines(next, stride, j, lines, pk, pl, 8);
+      __m512bh qv[NQ];
+      for (int r = 0; r < NQ; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(q + r * D + d);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kj + u * stride + d);
+        for (int r = 0; r < NQ; ++r) a[r][u] = (vf)_mm512_dpbf16_ps((__m512)a[r][u], qv[r], kv);
+      }
+    }
+    for (int r = 0; r < NQ; ++r) {
+      v8f f[8];
+      for (int u = 0; u < 8; ++u) f[u] = fold8(a[r][u]);
+      store8(s + r * ls + j, hsum8x8(f) * scale);
+    }
+  }
+  for (; j < n; ++j)
+    for (int r = 0; r < NQ; ++r) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 32)
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + r * D + d),
+                             (__m512bh)_mm512_loadu_si512(k + j * stride + d));
+      s[r * ls + j] = _mm512_reduce_add_ps(a) * scale;
+    }
+}
+
+// acc_r += sum_j p_r[j] v_j over 32 G outputs at a time from d (NQ rows, acc_r = acc + r * D; p_r = p + r * lp as
+// bf16 numerators), two keys a step; an odd last key pairs with zeros. next: as pv_f's.
+// One step of pv_pairs_dec: keys j and j + 1 (TWO), or key j alone (its pair's other half zero).
+template <int NQ, int G, bool TWO>
+static inline void pv_pair_step(__m512 (&a)[NQ][2 * G], const at::BFloat16* p, int64_t lp, const at::BFloat16* v0,
+                                int64_t stride, const at::BFloat16* next) {
+  if (next != nullptr)
+    for (int k = 0; k < 1 + TWO; ++k)
+      for (int l = 0; l < G; ++l) __builtin_prefetch(reinterpret_cast<const char*>(next + k * stride) + l * 64, 0, 2);
+  __m512bh w[NQ];
+  for (int r = 0; r < NQ; ++r) {
+    uint16_t lo, hi = 0;
+    std::memcpy(&lo, p + r * lp, 2);
+    if (TWO) std::memcpy(&hi, p + r * lp + 1, 2);
+    w[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(lo | static_cast<uint32_t>(hi) << 16));
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const __m512i x0 = _mm512_loadu_si512(v0 + 32 * g);
+    const __m512i x1 = TWO ? _mm512_loadu_si512(v0 + stride + 32 * g) : _mm512_setzero_si512();
+    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1), hi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+    for (int r = 0; r < NQ; ++r) {
+      a[r][2 * g] = _mm512_dpbf16_ps(a[r][2 * g], w[r], lo);
+      a[r][2 * g + 1] = _mm512_dpbf16_ps(a[r][2 * g + 1], w[r], hi);
+    }
+  }
+}
+
+// acc_r += sum_j p_r[j] v_j over 32 G outputs at a time from d (NQ rows, acc_r = acc + r * D; p_r = p + r * lp as
+// bf16 numerators), two keys a step; an odd last key pairs with zeros. next: as pv_f's.
+template <int NQ, int G>
+static inline void pv_pairs_dec(float* acc, const at::BFloat16* p, int64_t lp, const at::BFloat16* v, int64_t stride,
+                                int64_t n, int64_t D, const at::BFloat16* next, int64_t& d) {
+  for (; d + 32 * G <= D; d += 32 * G) {
+    __m512 a[NQ][2 * G];
+    for (int r = 0; r < NQ; ++r)
+#pragma GCC unroll 8
+      for (int u = 0; u < 2 * G; ++u) a[r][u] = _mm512_loadu_ps(acc + r * D + d + 16 * u);
+    const at::BFloat16* nd = next == nullptr ? nullptr : next + d;
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2)
+      pv_pair_step<NQ, G, true>(a, p + j, lp, v + j * stride + d, stride, nd == nullptr ? nullptr : nd + j * stride);
+    if (j < n)
+      pv_pair_step<NQ, G, false>(a, p + j, lp, v + j * stride + d, stride, nd == nullptr ? nullptr : nd + j * stride);
+    for (int r = 0; r < NQ; ++r)
+#pragma GCC unroll 8
+      for (int u = 0; u < 2 * G; ++u) _mm512_storeu_ps(acc + r * D + d + 16 * u, a[r][u]);
+  }
+}
+
+template <int NQ>
+static inline void pv_pairs_dec(float* acc, const at::BFloat16* p, int64_t lp, const at::BFloat16* v, int64_t stride,
+                                int64_t n, int64_t D, const at::BFloat16* next) {
+  int64_t d = 0;
+  pv_pairs_dec<NQ, 4>(acc, p, lp, v, stride, n, D, next, d);
+  pv_pairs_dec<NQ, 2>(acc, p, lp, v, stride, n, D, next, d);
+  pv_pairs_dec<NQ, 1>(acc, p, lp, v, stride, n, D, next, d);
+}
+#endif
+
+// Whether the decode kernel takes the pair products above for caches of T and head dim D.
+template <typename T>
+static constexpr bool pair_decode(int64_t D) {
+#ifdef RTP_PAIR_DECODE
+  return std::is_same_v<T, at::BFloat16> && D % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// out[0, D) = sums in pair_decode_slot's order (pairs), times inv, as T: a whole row of 32 at a time, the two
+// halves' lanes put back in order by one permute each.
+template <typename T>
+static inline bool write_pair_row(T* out, const float* sums, int64_t D, float inv) {
+#ifdef RTP_PAIR_DECODE
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_loadu_ps(sums + d), hi = _mm512_loadu_ps(sums + d + 16);
+      const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale);
+      const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(a));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d + 16), (__m256i)_mm512_cvtneps_pbh(b));
+    }
+    return true;
+  }
+#endif
+  return false;
+}
+
+// The largest of s[0, n) (-inf for none), a register at a time: a running maximum one float at a time waits on
+// each comparison (a tenth of a bf16 decode call at 600 keys).
+static inline float max_of(const float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+  if (n >= VW) {
+    vf m = loadv(s);
+    for (t = VW; t + VW <= n; t += VW) {
+      const vf x = loadv(s + t);
+      m = m > x ? m : x;
+    }
+    for (int l = 0; l < VW; ++l) mx = std::max(mx, m[l]);
+  }
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  return mx;
+}
+
+// Where output d of a row lies in the decode kernel's fp32 sums: pv_pairs_dec's order (of each 32 outputs, the 16
+// that unpacklo pairs, 4 from each 128-bit lane, then the 16 of unpackhi), pv_f's pair-split order (the 16 even,
+// then the 16 odd), or d itself.
+static inline int64_t pair_decode_slot(int64_t d, bool pairs, bool pair_split) {
+  if (pairs) return d / 32 * 32 + (d % 8 < 4 ? 0 : 16) + d % 32 / 8 * 4 + d % 4;
+  return pair_split ? d / 32 * 32 + d % 2 * 16 + d % 32 / 2 : d;
+}
+
 // Query rows scored together against one KV head: two where the registers allow (32 vector registers:
 // 16 accumulators for two rows), else one.
 #if defined(__AVX512F__)
@@ -378,17 +551,18 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   const int64_t slot_lines = (cache.num_kv_heads * cache.head_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t nq = rep % ROW_PAIR == 0 ? ROW_PAIR : 1;  // rows i, i + 1 share a KV head when rep is even
-  // Where output d lies in acc: pv_f's pair-split order for bf16 (of each 32 outputs, the 16 even, then the odd).
-  const bool pair_split = pair_split_values<T>(D);
-  auto split = [pair_split](int64_t d) { return pair_split ? d / 32 * 32 + d % 2 * 16 + d % 32 / 2 : d; };
+  const bool pairs = pair_decode<T>(D), pair_split = !pairs && pair_split_values<T>(D);
+  auto split = [pairs, pair_split](int64_t d) { return pair_decode_slot(d, pairs, pair_split); };
   at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(Hq * D), acc(Hq * D), scores, row_max(Hq), row_sum(Hq);
+    std::vector<float> qf(pairs ? 0 : Hq * D), acc(Hq * D), scores, row_max(Hq), row_sum(Hq);
+    std::vector<T> numerators;  // pairs: the softmax numerators rounded to bf16, as scores
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / S;
       const auto [k0, k1] = range(task);
       const int64_t n_keys = std::max<int64_t>(k1 - k0, 0);
       scores.resize(Hq * std::max<int64_t>(n_keys, 1));  // row i = query head i, one score per key from k0
-      for (int64_t i = 0; i < Hq * D; ++i) qf[i] = static_cast<float>(qp[b * Hq * D + i]) * fscale;
+      if (!pairs)
+        for (int64_t i = 0; i < Hq * D; ++i) qf[i] = static_cast<float>(qp[b * Hq * D + i]) * fscale;
       // Key t's offset, and how many keys from t on lie in its block (t need not start the block).
       auto slot = [&](int64_t t) { return cache.offset(b, t, 0); };
       auto piece = [&](int64_t t) { return std::min(block_size - t % block_size, k1 - t); };
@@ -408,6 +582,16 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
         for (int64_t i = 0; i < Hq; i += nq) {
           const int64_t hd = (i / rep) * cache.head_stride;
           float* si = scores.data() + i * n_keys + (t0 - k0);
+#ifdef RTP_PAIR_DECODE
+          if constexpr (std::is_same_v<T, at::BFloat16>) {
+            if (pairs) {
+              const T* qi = qp + (b * Hq + i) * D;
+              if (nq == 2) dots_pairs<2>(qi, kb + hd, st, n, D, si, n_keys, kn + hd, fscale);
+              else dots_pairs<1>(qi, kb + hd, st, n, D, si, n_keys, kn + hd, fscale);
+              continue;
+            }
+          }
+#endif
           if (nq == 2) dots_f<2>(qf.data() + i * D, kb + hd, st, n, D, si, n_keys, kn + hd);
           else dots_f<1>(qf.data() + i * D, kb + hd, st, n, D, si, n_keys, kn + hd);
         }
@@ -415,11 +599,23 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
       // Softmax numerators exp(s - max), eight at a time, and their sums.
       for (int64_t i = 0; i < Hq; ++i) {
         float* si = scores.data() + i * n_keys;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n_keys; ++t) mx = std::max(mx, si[t]);
+        const float mx = max_of(si, n_keys);
         row_max[i] = mx;
         row_sum[i] = exp_shift_sum(si, n_keys, mx);
       }
+#ifdef RTP_PAIR_DECODE
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (pairs) {  // rounded to nearest even, 16 at a time
+          const int64_t total = static_cast<int64_t>(scores.size());
+          numerators.resize(total);
+          int64_t t = 0;
+          for (; t + 16 <= total; t += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(numerators.data() + t),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores.data() + t)));
+          for (; t < total; ++t) numerators[t] = static_cast<T>(scores[t]);
+        }
+      }
+#endif
       // The numerator-weighted sum of the values.
       std::fill(acc.begin(), acc.end(), 0.f);
       const auto next_task = task + 1 < end ? range(task + 1) : std::make_pair<int64_t, int64_t>(0, 0);
@@ -434,6 +630,16 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
           const int64_t hd = (i / rep) * cache.head_stride;
           const float* pi = scores.data() + i * n_keys + (t0 - k0);
           const T* next = vn == nullptr ? nullptr : vn + hd;
+#ifdef RTP_PAIR_DECODE
+          if constexpr (std::is_same_v<T, at::BFloat16>) {
+            if (pairs) {
+              const T* ni = numerators.data() + i * n_keys + (t0 - k0);
+              if (nq == 2) pv_pairs_dec<2>(acc.data() + i * D, ni, n_keys, vb + hd, st, n, D, next);
+              else pv_pairs_dec<1>(acc.data() + i * D, ni, n_keys, vb + hd, st, n, D, next);
+              continue;
+            }
+          }
+#endif
           if (nq == 2) pv_f<2>(acc.data() + i * D, pi, n_keys, vb + hd, st, n, D, next);
           else pv_f<1>(acc.data() + i * D, pi, n_keys, vb + hd, st, n, D, next);
         }
@@ -441,6 +647,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
       if (S == 1) {
         for (int64_t i = 0; i < Hq; ++i) {
           const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
+          if (pairs && write_pair_row(op + (b * Hq + i) * D, acc.data() + i * D, D, inv)) continue;
           for (int64_t d = 0; d < D; ++d) op[(b * Hq + i) * D + d] = static_cast<T>(acc[i * D + split(d)] * inv);
         }
       } else {
@@ -469,6 +676,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
         }
       }
       const float inv = total > 0.f ? 1.f / total : 0.f;
+      if (pairs && write_pair_row(op + row * D, o.data(), D, inv)) continue;
       for (int64_t d = 0; d < D; ++d) op[row * D + d] = static_cast<T>(o[split(d)] * inv);
     }
   });

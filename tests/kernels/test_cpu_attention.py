@@ -37,7 +37,8 @@ CASES = [c for c in CPU_CASES if c.decode] + [
     Case("decode-many-d128", [1] * 64, [1 + (11 * i) % 140 for i in range(64)], 16, 8, 128, 16),
     # one long sequence: its keys in ranges cut mid-block (multiples of 8 keys), merged at the end
     Case("decode-one-long-d128", [1], [1000], 16, 8, 128, 16),
-    # head_dim 96: bf16 values in pair-split groups of 64 outputs, then one of 32 (pv_split), few and many sequences
+    # head_dim 96: bf16 values in groups of 64 outputs, then one of 32 (pv_pairs_dec with AVX-512 BF16, else
+    # pv_split), few and many sequences
     Case("decode-gqa-d96", [1] * 3, [9, 40, 300], 8, 4, 96, 16),
     Case("decode-gqa-d96-many", [1] * 24, [1 + (13 * i) % 70 for i in range(24)], 8, 4, 96, 16),
 ]
@@ -81,6 +82,21 @@ def test_kernel_matches_reference(case: Case, dtype: torch.dtype, atol: float) -
     got = cpu_attention.paged_decode_attention_cpu(t["q"], t["k_cache"], t["v_cache"], t["tables"], t["ctx"], scale)
     assert got.dtype == dtype and got.shape == t["q"].shape
     torch.testing.assert_close(got.float(), ref, atol=atol, rtol=atol)  # poisoned unowned slots would show
+
+
+def test_bf16_decode_without_avx512_bf16_matches_reference() -> None:
+    """A CPU without AVX-512 BF16 decodes bf16 caches by widening them to fp32 (with AVX-512: pv_split's pair-split
+    values): the decode cases through a build of the same source without those instructions."""
+    module = cpu_build.build("cpu_attention_nobf16", cpu_attention._SOURCE, ["paged_decode", "paged_prefill"],
+                             extra_cflags=("-ffp-contract=fast", "-mno-avx512bf16"))
+    assert module is not None
+    for case in CASES:
+        t = build(case, torch.device("cpu"), torch.bfloat16, torch.Generator().manual_seed(len(case.name)))
+        scale = case.head_dim**-0.5
+        ref = paged_decode_attention_reference(t["q"].float(), t["k_cache"].float(), t["v_cache"].float(),
+                                               t["tables"], t["ctx"], max(case.k_lens), scale)
+        got = module.paged_decode(t["q"], t["k_cache"], t["v_cache"], t["tables"], t["ctx"], scale)
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2, msg=case.name)
 
 
 def test_bad_shapes_are_refused() -> None:
