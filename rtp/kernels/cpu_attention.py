@@ -369,8 +369,6 @@ static inline void dots_pairs(const at::BFloat16* q, const at::BFloat16* k, int6
     }
 }
 
-// acc_r += sum_j p_r[j] v_j over 32 G outputs at a time from d (NQ rows, acc_r = acc + r * D; p_r = p + r * lp as
-// bf16 numerators), two keys a step; an odd last key pairs with zeros. next: as pv_f's.
 // One step of pv_pairs_dec: keys j and j + 1 (TWO), or key j alone (its pair's other half zero).
 template <int NQ, int G, bool TWO>
 static inline void pv_pair_step(__m512 (&a)[NQ][2 * G], const at::BFloat16* p, int64_t lp, const at::BFloat16* v0,
