@@ -38,6 +38,16 @@ in memory: 8 sequences of ~100 keys 1.27x / 1.07x, 32 of ~160 1.28x / 1.06x, 32 
 (Scoring keys alone with ``vdpbf16ps`` had measured 0.78x: four instructions a sum before each fold, and
 the scalar maxima and outputs around it.)
 
+Where 8 or more sequences of a decode step share their leading blocks over at least 256 keys (a system prompt
+found in the prefix cache), such bf16 caches also take a cascade pass over those keys (``cascade_prefix``): each
+KV head's query rows of all the sequences score them together in the prompt kernel's pair tiles (the keys
+gathered once per 64 for all rows, no horizontal sums), an online softmax whose result is one more part in each
+row's merge; each sequence's own task starts after the shared keys. Alternated in one process on a 2-core Zen 4
+at Qwen3-0.6B's heads against the pair products alone, warm / in memory: 32 sequences of ~600 keys sharing 512
+1.53x / 1.21x, 8 of ~600 sharing 512 1.38x / 1.19x, 16 of ~300 sharing 256 1.31x / 1.11x, no shared blocks
+level; ``scripts/bench.py --prefix-len 512`` (32 requests, bf16): decode step 110.5 -> 104.9 ms. Below those
+bounds it lost where the shared blocks came from memory (its gathers do not prefetch).
+
 Prompt chunks and mixed steps (:func:`paged_prefill_attention_cpu`) take the varlen kernel: one
 task per (sequence, KV head, chunk of 128 queries), an online softmax over the sequence's cached
 keys 64 at a time (causal, so a chunk reads only the keys up to its last query), also straight
@@ -522,6 +532,18 @@ struct PagedCache {
   }
 };
 
+#ifdef RTP_PAIR_DECODE
+// The cascade pass over the keys all sequences share (defined with the prompt kernel's tiles, below), taken from
+// CASCADE_MIN_SEQS sequences sharing CASCADE_MIN_KEYS keys: below, on a 2-core Zen 4 at Qwen3-0.6B's heads, it
+// lost where the shared blocks came from memory (4 sequences sharing 256 keys 0.94x, 8 sharing 128 0.95x, 16
+// sharing 64 0.91x: its gathers do not prefetch).
+constexpr int64_t CASCADE_MIN_SEQS = 8, CASCADE_MIN_KEYS = 256;
+static int64_t shared_prefix_keys(const PagedCache<at::BFloat16>& cache, const int32_t* lens, int64_t B);
+static int64_t cascade_chunks(int64_t P, int64_t num_kv_heads);
+static void cascade_prefix(const PagedCache<at::BFloat16>& cache, const at::BFloat16* q, int64_t B, int64_t Hq,
+                           int64_t D, int64_t P, float scale, float* part_max, float* part_sum, float* part_acc);
+#endif
+
 template <typename T>
 static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
@@ -540,25 +562,44 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
   // every thread busy; else each sequence's keys in S near-equal ranges (of at least 16 keys, cut at multiples
   // of 8), whose softmax sums are merged at the end (rather than a task per KV head, which reads a slice of
   // every slot: see the module's docstring).
+  const bool pairs = pair_decode<T>(D), pair_split = !pairs && pair_split_values<T>(D);
+  // Keys [0, P) that every sequence shares (the same leading blocks: a common prefix) are scored for all the
+  // sequences at once by cascade_prefix, in NC chunks; the tasks below take each sequence's keys from P on.
+  int64_t P = 0, NC = 0;
+#ifdef RTP_PAIR_DECODE
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    if (pairs && B >= CASCADE_MIN_SEQS) {
+      P = shared_prefix_keys(cache, lens, B);
+      NC = P >= CASCADE_MIN_KEYS ? cascade_chunks(P, cache.num_kv_heads) : 0;
+      if (NC == 0) P = 0;
+    }
+#endif
   int64_t longest = 1;
-  for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, lens[b]);
+  for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, lens[b] - P);
   const int64_t busy = 4 * at::get_num_threads();
   const int64_t S = B >= busy ? 1 : std::max<int64_t>(1, std::min((busy + B - 1) / B, longest / 16));
   auto range = [&](int64_t task) {  // the keys [k0, k1) of task (b, s)
     const int64_t b = task / S, s = task % S, len = lens[b];
-    auto cut = [&](int64_t i) { return i == S ? len : i * len / S / 8 * 8; };
+    auto cut = [&](int64_t i) { return i == S ? len : P + i * (len - P) / S / 8 * 8; };
     return std::make_pair(cut(s), cut(s + 1));
   };
-  // Per task and row with S > 1: the largest score, the sum of exp(score - it) and the unnormalised values.
+  // Per part and row where a row has several (S > 1 ranges, or the cascade's chunks): the largest score, the sum
+  // of exp(score - it) and the unnormalised values (in acc's order); the cascade's NC after the tasks' B S.
+  const bool parts = S > 1 || NC > 0;
   std::vector<float> part_max, part_sum, part_acc;
-  if (S > 1) {
-    part_max.resize(B * S * Hq);
-    part_sum.resize(B * S * Hq);
-    part_acc.resize(B * S * Hq * D);
+  if (parts) {
+    part_max.resize((B * S + NC * B) * Hq);
+    part_sum.resize(part_max.size());
+    part_acc.resize(part_max.size() * D);
   }
+#ifdef RTP_PAIR_DECODE
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    if (NC > 0)
+      cascade_prefix(cache, qp, B, Hq, D, P, fscale, part_max.data() + B * S * Hq, part_sum.data() + B * S * Hq,
+                     part_acc.data() + B * S * Hq * D);
+#endif
   const int64_t slot_lines = (cache.num_kv_heads * cache.head_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t nq = rep % ROW_PAIR == 0 ? ROW_PAIR : 1;  // rows i, i + 1 share a KV head when rep is even
-  const bool pairs = pair_decode<T>(D), pair_split = !pairs && pair_split_values<T>(D);
   auto split = [pairs, pair_split](int64_t d) { return pair_decode_slot(d, pairs, pair_split); };
   at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(pairs ? 0 : Hq * D), acc(Hq * D), scores, row_max(Hq), row_sum(Hq);
@@ -651,7 +692,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
           else pv_f<1>(acc.data() + i * D, pi, n_keys, vb + hd, st, n, D, next);
         }
       }
-      if (S == 1) {
+      if (!parts) {
         for (int64_t i = 0; i < Hq; ++i) {
           const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
           if (pairs && write_pair_row(op + (b * Hq + i) * D, acc.data() + i * D, D, inv)) continue;
@@ -666,19 +707,21 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
       }
     }
   });
-  if (S == 1) return;
-  // Merge the ranges: out = sum_s e_s acc_s / sum_s e_s sum_s, e_s = exp(max_s - the largest max). Rows in
+  if (!parts) return;
+  // Merge the parts: out = sum_s e_s acc_s / sum_s e_s sum_s, e_s = exp(max_s - the largest max). Rows in
   // grains of 64 (a few microseconds of work; fewer rows run on this thread, without waking the others).
   at::parallel_for(0, B * Hq, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
+    std::vector<int64_t> row_parts(S + NC);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / Hq, i = row % Hq;
+      for (int64_t s = 0; s < S; ++s) row_parts[s] = (b * S + s) * Hq + i;
+      for (int64_t c = 0; c < NC; ++c) row_parts[S + c] = (B * S + c * B) * Hq + row;
       float top = -std::numeric_limits<float>::infinity(), total = 0.f;
-      for (int64_t s = 0; s < S; ++s) top = std::max(top, part_max[(b * S + s) * Hq + i]);
+      for (const int64_t part : row_parts) top = std::max(top, part_max[part]);
       std::fill(o.begin(), o.end(), 0.f);
       if (top != -std::numeric_limits<float>::infinity()) {
-        for (int64_t s = 0; s < S; ++s) {
-          const int64_t part = (b * S + s) * Hq + i;
+        for (const int64_t part : row_parts) {
           const float e = std::exp(part_max[part] - top);
           total += e * part_sum[part];
           for (int64_t d = 0; d < D; ++d) o[d] += e * part_acc[part * D + d];
@@ -979,6 +1022,92 @@ static inline void softmax_tile(float* s, int64_t nt, const int64_t* visible, fl
     l[r] = l[r] * corr[r] + sum;
     m[r] = new_m;
   }
+}
+#endif
+
+// The cascade pass. Where a decode step's sequences share their leading blocks (a system prompt in the prefix
+// cache), each sequence's task would read the same keys and score them against its own query rows, a dot product
+// at a time. Here each KV head's query rows of all B sequences score the shared keys together in the prompt
+// kernel's pair tiles (keys gathered and transposed once per KB, then PR rows x TW keys of scores a tile), an
+// online softmax over them; the result, per row, is one more part for decode_impl's merge.
+#ifdef RTP_PAIR_DECODE
+// Keys in the leading blocks that every sequence's table holds alike, all before each sequence's last key.
+static int64_t shared_prefix_keys(const PagedCache<at::BFloat16>& cache, const int32_t* lens, int64_t B) {
+  int64_t shortest = lens[0];
+  for (int64_t b = 1; b < B; ++b) shortest = std::min<int64_t>(shortest, lens[b]);
+  const int64_t blocks = std::min(std::max<int64_t>(shortest - 1, 0) / cache.block_size, cache.max_blocks);
+  for (int64_t k = 0; k < blocks; ++k)
+    for (int64_t b = 1; b < B; ++b)
+      if (cache.tables[b * cache.max_blocks + k] != cache.tables[k]) return k * cache.block_size;
+  return blocks * cache.block_size;
+}
+
+// Chunks of the shared keys, so that KV heads x chunks keep every thread busy (chunks of at least KB keys).
+static int64_t cascade_chunks(int64_t P, int64_t num_kv_heads) {
+  const int64_t want = (2 * at::get_num_threads() + num_kv_heads - 1) / num_kv_heads;
+  return std::max<int64_t>(1, std::min(want, P / KB));
+}
+
+// The acc order of the decode kernel's pair products (pair_decode_slot) from outputs in order, 32 at a time.
+static inline void to_pair_slots(float* out, const float* in, int64_t D) {
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512 a = _mm512_loadu_ps(in + d), b = _mm512_loadu_ps(in + d + 16);
+    _mm512_storeu_ps(out + d, _mm512_permutex2var_ps(a, lo, b));
+    _mm512_storeu_ps(out + d + 16, _mm512_permutex2var_ps(a, hi, b));
+  }
+}
+
+// Parts c = 0 .. NC - 1 of every row (b, head): the largest score, the sum and the unnormalised values over chunk c
+// of the shared keys [0, P), at part_max[c B Hq + b Hq + head] (part_acc: times D, in pair_decode_slot's order).
+static void cascade_prefix(const PagedCache<at::BFloat16>& cache, const at::BFloat16* q, int64_t B, int64_t Hq,
+                           int64_t D, int64_t P, float scale, float* part_max, float* part_sum, float* part_acc) {
+  const int64_t Hkv = cache.num_kv_heads, rep = Hq / Hkv, NC = cascade_chunks(P, Hkv);
+  const int64_t rows = B * rep, rows_pad = (rows + 1) / 2 * 2;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, Hkv * NC, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(rows_pad * D), m(rows_pad), l(rows_pad), corr(rows_pad), s(rows_pad * KB);
+    std::vector<uint32_t> q2(rows_pad * D / 2), ktp(D / 2 * KB), vp(KB / 2 * D), pw(PR * KB / 2);
+    std::vector<int64_t> off(KB);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / NC, c = task % NC;
+      const int64_t t0 = c * P / NC / KB * KB, t1 = c + 1 == NC ? P : (c + 1) * P / NC / KB * KB;
+      // Row i: sequence i / rep, head h rep + i % rep (a padding row: a zero query, never read).
+      for (int64_t i = 0; i < rows; ++i)
+        std::memcpy(q2.data() + i * D / 2, q + ((i / rep) * Hq + h * rep + i % rep) * D, D * sizeof(at::BFloat16));
+      std::fill(q2.begin() + rows * D / 2, q2.end(), 0u);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), ninf);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t tk = t0; tk < t1; tk += KB) {
+        const int64_t n = std::min(KB, t1 - tk);
+        for (int64_t j = 0; j < n; ++j) off[j] = cache.offset(0, tk + j, h);  // sequence 0's table: shared
+        gather_pairs(cache.k, cache.v, off.data(), n, D, ktp.data(), vp.data());
+        auto tile = [&](auto height, int64_t r0) {
+          constexpr int R = decltype(height)::value;
+          float* st0 = s.data() + r0 * KB;
+          for (int64_t j = 0; j < n; j += TW)
+            scores_pairs<R>(q2.data() + r0 * D / 2, D / 2, ktp.data() + j, st0 + j, scale);
+          int64_t visible[R];
+          for (int r = 0; r < R; ++r) visible[r] = n;
+          softmax_tile<R>(st0, n, visible, m.data() + r0, l.data() + r0, corr.data() + r0, pw.data());
+          pv_pairs<R>(acc.data() + r0 * D, corr.data() + r0, pw.data(), vp.data(), n, D);
+        };
+        int64_t r0 = 0;
+        for (; r0 + PR <= rows_pad; r0 += PR) tile(std::integral_constant<int, PR>{}, r0);
+        if constexpr (PR > 4)
+          if (r0 + 4 <= rows_pad) tile(std::integral_constant<int, 4>{}, r0), r0 += 4;
+        if (r0 < rows_pad) tile(std::integral_constant<int, 2>{}, r0);
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t part = c * B * Hq + (i / rep) * Hq + h * rep + i % rep;
+        part_max[part] = m[i];
+        part_sum[part] = l[i];
+        to_pair_slots(part_acc + part * D, acc.data() + i * D, D);
+      }
+    }
+  });
 }
 #endif
 

@@ -84,6 +84,38 @@ def test_kernel_matches_reference(case: Case, dtype: torch.dtype, atol: float) -
     torch.testing.assert_close(got.float(), ref, atol=atol, rtol=atol)  # poisoned unowned slots would show
 
 
+SHARED_CASES = [
+    # (case, leading blocks every sequence shares; the cascade pass takes 8 sequences sharing 256 keys):
+    # Qwen3-0.6B's heads, 8 sequences over 256 shared keys, one of them a single key past them
+    (Case("shared-d128", [1] * 8, [257, 270, 290, 328, 329, 350, 400, 256 + 77], 16, 8, 128, 16), 16),
+    # GQA 4:1, head_dim 96, 288 shared keys (four KB chunks, then a partial one)
+    (Case("shared-gqa4-d96", [1] * 8, [289, 300, 310, 330, 400, 290, 500, 301], 8, 2, 96, 16), 18),
+    # MQA, head_dim 32: one KV head, so the shared keys go in several chunks (parts merged per row)
+    (Case("shared-mqa-d32", [1] * 8, [273, 280, 290, 350, 400, 274, 300, 333], 4, 1, 32, 16), 17),
+    # MHA, head_dim 64: 9 rows a KV head (tiles of 8, then 2 with a padding row)
+    (Case("shared-mha-d64", [1] * 9, [257 + 13 * i for i in range(9)], 2, 2, 64, 16), 16),
+    # 32 sequences sharing 512 keys (a system prompt), blocks of 16
+    (Case("shared-many-d128", [1] * 32, [513 + (29 * i) % 90 for i in range(32)], 16, 8, 128, 16), 32),
+    # 7 sequences sharing 512 keys: fewer than the cascade pass takes (each scores them itself)
+    (Case("shared-few-d128", [1] * 7, [513 + (29 * i) % 90 for i in range(7)], 16, 8, 128, 16), 32),
+]
+
+
+@pytest.mark.parametrize("case, shared", SHARED_CASES, ids=lambda c: getattr(c, "name", ""))
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_over_shared_leading_blocks_matches_reference(case: Case, shared: int, dtype: torch.dtype,
+                                                             atol: float) -> None:
+    """Sequences whose tables start with the same blocks (a cached prefix): bf16 caches on AVX-512 BF16 score
+    those keys for all sequences at once (the cascade pass) and merge them with each sequence's own keys."""
+    t = build(case, torch.device("cpu"), dtype, torch.Generator().manual_seed(len(case.name)))
+    t["tables"][:, :shared] = t["tables"][0, :shared]
+    scale = case.head_dim**-0.5
+    ref = paged_decode_attention_reference(t["q"].float(), t["k_cache"].float(), t["v_cache"].float(),
+                                           t["tables"], t["ctx"], max(case.k_lens), scale)
+    got = cpu_attention.paged_decode_attention_cpu(t["q"], t["k_cache"], t["v_cache"], t["tables"], t["ctx"], scale)
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=atol)
+
+
 def test_bf16_decode_without_avx512_bf16_matches_reference() -> None:
     """A CPU without AVX-512 BF16 decodes bf16 caches by widening them to fp32 (with AVX-512: pv_split's pair-split
     values): the decode cases through a build of the same source without those instructions."""
