@@ -1030,6 +1030,17 @@ static inline void softmax_tile(float* s, int64_t nt, const int64_t* visible, fl
 // at a time. Here each KV head's query rows of all B sequences score the shared keys together in the prompt
 // kernel's pair tiles (keys gathered and transposed once per KB, then PR rows x TW keys of scores a tile), an
 // online softmax over them; the result, per row, is one more part for decode_impl's merge.
+// tile(height, r0) over rows [0, rows_pad) (an even count) in tiles of PR rows, then 4, then 2, the height an
+// integral_constant (the tile kernels' row count is a template argument).
+template <typename F>
+static inline void for_row_tiles(int64_t rows_pad, F&& tile) {
+  int64_t r0 = 0;
+  for (; r0 + PR <= rows_pad; r0 += PR) tile(std::integral_constant<int, PR>{}, r0);
+  if constexpr (PR > 4)
+    if (r0 + 4 <= rows_pad) tile(std::integral_constant<int, 4>{}, r0), r0 += 4;
+  if (r0 < rows_pad) tile(std::integral_constant<int, 2>{}, r0);
+}
+
 #ifdef RTP_PAIR_DECODE
 // Keys in the leading blocks that every sequence's table holds alike, all before each sequence's last key.
 static int64_t shared_prefix_keys(const PagedCache<at::BFloat16>& cache, const int32_t* lens, int64_t B) {
@@ -1094,11 +1105,7 @@ static void cascade_prefix(const PagedCache<at::BFloat16>& cache, const at::BFlo
           softmax_tile<R>(st0, n, visible, m.data() + r0, l.data() + r0, corr.data() + r0, pw.data());
           pv_pairs<R>(acc.data() + r0 * D, corr.data() + r0, pw.data(), vp.data(), n, D);
         };
-        int64_t r0 = 0;
-        for (; r0 + PR <= rows_pad; r0 += PR) tile(std::integral_constant<int, PR>{}, r0);
-        if constexpr (PR > 4)
-          if (r0 + 4 <= rows_pad) tile(std::integral_constant<int, 4>{}, r0), r0 += 4;
-        if (r0 < rows_pad) tile(std::integral_constant<int, 2>{}, r0);
+        for_row_tiles(rows_pad, tile);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t part = c * B * Hq + (i / rep) * Hq + h * rep + i % rep;
@@ -1208,11 +1215,7 @@ static void prefill_impl(const at::Tensor& q, const at::Tensor& k_cache, const a
           if (pairs) pv_pairs<R>(acc.data() + r0 * D, corr.data() + r0, pw.data(), vp.data(), nt, D);
           else pv_tile<R>(acc.data() + r0 * D, corr.data() + r0, st0, cache.v, off.data(), nt, D);
         };
-        int64_t r0 = 0;
-        for (; r0 + PR <= rows_pad; r0 += PR) tile(std::integral_constant<int, PR>{}, r0);
-        if constexpr (PR > 4)
-          if (r0 + 4 <= rows_pad) tile(std::integral_constant<int, 4>{}, r0), r0 += 4;
-        if (r0 < rows_pad) tile(std::integral_constant<int, 2>{}, r0);
+        for_row_tiles(rows_pad, tile);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
