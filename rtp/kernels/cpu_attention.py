@@ -343,7 +343,7 @@ static inline void pv_f(float* acc, const float* p, int64_t lp, const T* v, int6
 // j + 1's 32 bf16 interleaved by two unpacks give the (v_j[d], v_j+1[d]) pairs of 16 + 16 outputs, one vdpbf16ps
 // each with the pair (p_j, p_j+1) of softmax numerators rounded to bf16 (as the prompt kernel's pair tiles and
 // flash attention do; the row sums stay fp32). An unpack works within 128-bit lanes, so the outputs lie in acc
-// in that order: see pair_decode_slot.
+// in that order: see write_pair_row.
 template <int NQ>
 static inline void dots_pairs(const at::BFloat16* q, const at::BFloat16* k, int64_t stride, int64_t n, int64_t D,
                               float* s, int64_t ls, const at::BFloat16* next, float scale) {
@@ -447,10 +447,12 @@ static constexpr bool pair_decode(int64_t D) {
 #endif
 }
 
-// out[0, D) = sums in pair_decode_slot's order (pairs), times inv, as T: a whole row of 32 at a time, the two
-// halves' lanes put back in order by one permute each (rounded as write_row does).
+// out[0, D) = sums in pv_pairs_dec's order, times inv, as T (bf16: called only where pair_decode<T>). Of each 32
+// outputs the sums hold first the 16 that unpacklo paired (4 from each 128-bit lane: 0-3, 8-11, 16-19, 24-27),
+// then the 16 of unpackhi (4-7, 12-15, ...); a whole row of 32 at a time, the two halves' lanes put back in order
+// by one permute each (rounded as write_row does).
 template <typename T>
-static inline bool write_pair_row(T* out, const float* sums, int64_t D, float inv) {
+static inline void write_pair_row(T* out, const float* sums, int64_t D, float inv) {
 #ifdef RTP_PAIR_DECODE
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -463,10 +465,8 @@ static inline bool write_pair_row(T* out, const float* sums, int64_t D, float in
       storev(out + d, (vf)a);
       storev(out + d + 16, (vf)b);
     }
-    return true;
   }
 #endif
-  return false;
 }
 
 // out[0, D) = sums[0, D) * inv as T, a register at a time (storev rounds as a cast to T does: the same outputs as
@@ -493,14 +493,6 @@ static inline float max_of(const float* s, int64_t n) {
   }
   for (; t < n; ++t) mx = std::max(mx, s[t]);
   return mx;
-}
-
-// Where output d of a row lies in the decode kernel's fp32 sums: pv_pairs_dec's order (of each 32 outputs, the 16
-// that unpacklo pairs, 4 from each 128-bit lane, then the 16 of unpackhi), pv_f's pair-split order (the 16 even,
-// then the 16 odd), or d itself.
-static inline int64_t pair_decode_slot(int64_t d, bool pairs, bool pair_split) {
-  if (pairs) return d / 32 * 32 + (d % 8 < 4 ? 0 : 16) + d % 32 / 8 * 4 + d % 4;
-  return pair_split ? d / 32 * 32 + d % 2 * 16 + d % 32 / 2 : d;
 }
 
 // Query rows scored together against one KV head: two where the registers allow (32 vector registers:
@@ -600,7 +592,17 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
 #endif
   const int64_t slot_lines = (cache.num_kv_heads * cache.head_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t nq = rep % ROW_PAIR == 0 ? ROW_PAIR : 1;  // rows i, i + 1 share a KV head when rep is even
-  auto split = [pairs, pair_split](int64_t d) { return pair_decode_slot(d, pairs, pair_split); };
+  // A row's output from its fp32 sums in acc's order (pv_pairs_dec's; pv_f's pair-split one: of each 32 outputs
+  // the 16 even, then the 16 odd; else in order), times inv.
+  auto write_out = [&](T* out, const float* sums, float inv) {
+    if (pairs) {
+      write_pair_row(out, sums, D, inv);
+    } else if (pair_split) {
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(sums[d / 32 * 32 + d % 2 * 16 + d % 32 / 2] * inv);
+    } else {
+      write_row(out, sums, D, inv);
+    }
+  };
   at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(pairs ? 0 : Hq * D), acc(Hq * D), scores, row_max(Hq), row_sum(Hq);
     std::vector<T> numerators;  // pairs: the softmax numerators rounded to bf16, as scores
@@ -695,10 +697,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
       if (!parts) {
         for (int64_t i = 0; i < Hq; ++i) {
           const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
-          if (pairs && write_pair_row(op + (b * Hq + i) * D, acc.data() + i * D, D, inv)) continue;
-          if (!pair_split) write_row(op + (b * Hq + i) * D, acc.data() + i * D, D, inv);
-          else
-            for (int64_t d = 0; d < D; ++d) op[(b * Hq + i) * D + d] = static_cast<T>(acc[i * D + split(d)] * inv);
+          write_out(op + (b * Hq + i) * D, acc.data() + i * D, inv);
         }
       } else {
         std::copy(row_max.begin(), row_max.end(), part_max.begin() + task * Hq);
@@ -728,10 +727,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
         }
       }
       const float inv = total > 0.f ? 1.f / total : 0.f;
-      if (pairs && write_pair_row(op + row * D, o.data(), D, inv)) continue;
-      if (!pair_split) write_row(op + row * D, o.data(), D, inv);
-      else
-        for (int64_t d = 0; d < D; ++d) op[row * D + d] = static_cast<T>(o[split(d)] * inv);
+      write_out(op + row * D, o.data(), inv);
     }
   });
 }
@@ -989,22 +985,6 @@ static inline void softmax_tile(float* s, int64_t nt, const int64_t* visible, fl
   for (int r = 0; r < R; ++r) corr[r] = c[r], l[r] = l_new[r], m[r] = m_new[r];
 }
 #else
-// The largest of s[0, n), n >= 1.
-static inline float max_n(const float* s, int64_t n) {
-  float mx = s[0];
-  int64_t t = 0;
-  if (n >= 8) {
-    v8f vm = load8(s);
-    for (t = 8; t + 8 <= n; t += 8) {
-      const v8f x = load8(s + t);
-      vm = vm > x ? vm : x;
-    }
-    for (int j = 0; j < 8; ++j) mx = std::max(mx, vm[j]);
-  }
-  for (; t < n; ++t) mx = std::max(mx, s[t]);
-  return mx;
-}
-
 template <int R>
 static inline void softmax_tile(float* s, int64_t nt, const int64_t* visible, float* m, float* l, float* corr,
                                 uint32_t*) {  // no pair tiles here
@@ -1015,7 +995,7 @@ static inline void softmax_tile(float* s, int64_t nt, const int64_t* visible, fl
       corr[r] = 1.f;
       continue;
     }
-    const float new_m = std::max(m[r], max_n(sr, visible[r]));
+    const float new_m = std::max(m[r], max_of(sr, visible[r]));
     corr[r] = std::exp(m[r] - new_m);
     const float sum = exp_shift_sum(sr, visible[r], new_m);
     std::fill(sr + visible[r], sr + nt, 0.f);
@@ -1059,7 +1039,7 @@ static int64_t cascade_chunks(int64_t P, int64_t num_kv_heads) {
   return std::max<int64_t>(1, std::min(want, P / KB));
 }
 
-// The acc order of the decode kernel's pair products (pair_decode_slot) from outputs in order, 32 at a time.
+// The acc order of the decode kernel's pair products (see write_pair_row) from outputs in order, 32 at a time.
 static inline void to_pair_slots(float* out, const float* in, int64_t D) {
   const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
   const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
@@ -1071,7 +1051,7 @@ static inline void to_pair_slots(float* out, const float* in, int64_t D) {
 }
 
 // Parts c = 0 .. NC - 1 of every row (b, head): the largest score, the sum and the unnormalised values over chunk c
-// of the shared keys [0, P), at part_max[c B Hq + b Hq + head] (part_acc: times D, in pair_decode_slot's order).
+// of the shared keys [0, P), at part_max[c B Hq + b Hq + head] (part_acc: times D, in pv_pairs_dec's order).
 static void cascade_prefix(const PagedCache<at::BFloat16>& cache, const at::BFloat16* q, int64_t B, int64_t Hq,
                            int64_t D, int64_t P, float scale, float* part_max, float* part_sum, float* part_acc) {
   const int64_t Hkv = cache.num_kv_heads, rep = Hq / Hkv, NC = cascade_chunks(P, Hkv);
