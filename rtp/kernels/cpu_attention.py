@@ -533,7 +533,8 @@ constexpr int64_t CASCADE_MIN_SEQS = 8, CASCADE_MIN_KEYS = 256;
 static int64_t shared_prefix_keys(const PagedCache<at::BFloat16>& cache, const int32_t* lens, int64_t B);
 static int64_t cascade_chunks(int64_t P, int64_t num_kv_heads);
 static void cascade_prefix(const PagedCache<at::BFloat16>& cache, const at::BFloat16* q, int64_t B, int64_t Hq,
-                           int64_t D, int64_t P, float scale, float* part_max, float* part_sum, float* part_acc);
+                           int64_t D, int64_t P, int64_t NC, float scale, float* part_max, float* part_sum,
+                           float* part_acc);
 #endif
 
 template <typename T>
@@ -587,7 +588,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
 #ifdef RTP_PAIR_DECODE
   if constexpr (std::is_same_v<T, at::BFloat16>)
     if (NC > 0)
-      cascade_prefix(cache, qp, B, Hq, D, P, fscale, part_max.data() + B * S * Hq, part_sum.data() + B * S * Hq,
+      cascade_prefix(cache, qp, B, Hq, D, P, NC, fscale, part_max.data() + B * S * Hq, part_sum.data() + B * S * Hq,
                      part_acc.data() + B * S * Hq * D);
 #endif
   const int64_t slot_lines = (cache.num_kv_heads * cache.head_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
@@ -1053,8 +1054,9 @@ static inline void to_pair_slots(float* out, const float* in, int64_t D) {
 // Parts c = 0 .. NC - 1 of every row (b, head): the largest score, the sum and the unnormalised values over chunk c
 // of the shared keys [0, P), at part_max[c B Hq + b Hq + head] (part_acc: times D, in pv_pairs_dec's order).
 static void cascade_prefix(const PagedCache<at::BFloat16>& cache, const at::BFloat16* q, int64_t B, int64_t Hq,
-                           int64_t D, int64_t P, float scale, float* part_max, float* part_sum, float* part_acc) {
-  const int64_t Hkv = cache.num_kv_heads, rep = Hq / Hkv, NC = cascade_chunks(P, Hkv);
+                           int64_t D, int64_t P, int64_t NC, float scale, float* part_max, float* part_sum,
+                           float* part_acc) {
+  const int64_t Hkv = cache.num_kv_heads, rep = Hq / Hkv;
   const int64_t rows = B * rep, rows_pad = (rows + 1) / 2 * 2;
   const float ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, Hkv * NC, 1, [&](int64_t begin, int64_t end) {
