@@ -46,11 +46,13 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
 class BlockManager:
     """Owns the KV blocks: free pools, reference counts and the hash -> block map."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 recompute_last_hit: bool = False) -> None:
         assert num_blocks >= 1 and block_size >= 1
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.recompute_last_hit = recompute_last_hit  # see find_cached_prefix
         self._ref: list[int] = [0] * num_blocks  # number of block tables holding the block
         self._hash: list[int | None] = [None] * num_blocks  # registered hash, or None
         self._hash_to_block: dict[int, int] = {}
@@ -103,7 +105,9 @@ class BlockManager:
         one token is always left to compute: a step needs a non-empty query to
         produce the logits of the next token. When the whole sequence is cached,
         its last block is recomputed into a fresh block rather than writing the
-        last token into a block that other sequences share.
+        last token into a block that other sequences share. With ``recompute_last_hit``
+        the last block found is left out as well: the sequence computes it again, in
+        a block of its own (for EAGLE-3's head, see :mod:`rtp.spec.eagle3`).
         """
         if not self.enable_prefix_caching:
             return []
@@ -115,7 +119,7 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        return hits
+        return hits[:-1] if self.recompute_last_hit else hits
 
     def can_allocate(self, cached: list[int], num_tokens: int) -> bool:
         """Whether a waiting sequence can get blocks for ``num_tokens`` positions reusing ``cached``."""

@@ -33,6 +33,9 @@ class SchedulerLimits:
     max_prompt_logit_rows: int = 512
     """Most prompt positions per step of the sequences that want prompt logprobs (each is a float32
     row of the whole vocabulary on rank 0: 512 rows of Qwen3's 151,936 ids are 311 MB)."""
+    recompute_last_hit: bool = False
+    """The last block of a prefix-cache hit is computed again, in a block of the sequence's own (EAGLE-3:
+    the head's KV at a block's last position reads the token after the block, see rtp.spec.eagle3)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks",
@@ -40,11 +43,9 @@ class SchedulerLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"SchedulerLimits.{name}={value!r} is invalid: expected a positive integer")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError(
-                f"SchedulerLimits.enable_prefix_caching={self.enable_prefix_caching!r} is invalid: "
-                "expected true or false"
-            )
+        for name in ("enable_prefix_caching", "recompute_last_hit"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SchedulerLimits.{name}={getattr(self, name)!r} is invalid: expected true or false")
 
 
 @dataclass(slots=True)

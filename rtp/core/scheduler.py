@@ -68,7 +68,8 @@ class Scheduler:
     def __init__(self, config: SchedulerLimits, eos_token_ids: list[int]) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.recompute_last_hit)
         self.capacity = config.num_blocks * config.block_size  # KV slots in the whole cache
         if self.capacity < config.max_model_len:
             logger.warning(

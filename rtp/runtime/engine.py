@@ -92,6 +92,7 @@ class Engine:
                 block_size=runner.block_size,
                 num_blocks=runner.num_blocks,
                 enable_prefix_caching=config.cache.enable_prefix_caching,
+                recompute_last_hit=config.speculative_config.method == "eagle3",
             ),
             self.eos_token_ids,
         )

@@ -18,8 +18,18 @@ positions' KV is overwritten next time, from the target's hidden states of the v
 
 KV cache and forgetting: as the draft model's (its own paged cache indexed by the target's block
 ids, scratch blocks past a sequence's allocation; a sequence that leaves ``running`` is forgotten).
-Positions whose target hidden states never reached rank 0 (a prefix-cache hit: the target skipped
-them) get zero features: the head still sees their tokens, drafts there are merely worse.
+
+Prefix-cache hits. The target skips a hit's positions, so the head gets no features there; but the
+head's KV of a shared block is what the block's first owner wrote, and it stays right for another
+sequence when it was written from features (not zeros) and the token after the block is the same (the
+head at the block's last position read it). The proposer records such blocks (block id -> the prefix's
+chained hash and that token) and a sequence it meets for the first time starts after its leading
+recorded blocks. The scheduler leaves out the last block of every hit (``recompute_last_hit``): the
+token after it is the sequence's own, so the sequence computes it again in a block of its own, and
+the head gets its features. A sequence whose hit blocks are being written in the same proposal by
+the sequence that owns them catches up after that one (a second pass). Positions still without
+features (hit blocks no owner wrote from features, batches above ``disable_by_batch_size``) get
+zero features: the head still sees their tokens, drafts there are merely worse.
 
 Memory: a sequence's features ([positions, H], after ``fc``) are kept from its first chunk until the
 head has read them. While the batch is above ``disable_by_batch_size`` nothing drafts and the controller
@@ -138,6 +148,9 @@ class Eagle3Proposer:
                     need / 2**20)
         self._computed: dict[int, int] = {}  # seq_id -> positions whose head KV is in its current blocks
         self._feats: dict[int, FeatureBuffer] = {}  # seq_id -> its features not yet read by the head
+        self._real: dict[int, int] = {}  # seq_id -> the position from which its head KV was written from features
+        # block id -> (chained hash of the prefix it ends, the token after it): head KV written from features
+        self._valid: dict[int, tuple[int, int]] = {}
 
     @classmethod
     def for_target(cls, config: RtpConfig, runner: ModelRunner, model_dir: Path) -> Eagle3Proposer:
@@ -161,6 +174,7 @@ class Eagle3Proposer:
         live = {s.seq_id for s in running}
         self._computed = {i: n for i, n in self._computed.items() if i in live}
         self._feats = {i: f for i, f in self._feats.items() if i in live}
+        self._real = {i: n for i, n in self._real.items() if i in live}
 
     @torch.inference_mode()
     def observe(self, out: StepOutput) -> None:
@@ -175,19 +189,30 @@ class Eagle3Proposer:
             if known is None or not known.put(first, feats[a:b]):
                 self._feats[seq_id] = FeatureBuffer(first, feats[a:b])
 
-    def _feature_rows(self, seq_id: int, start: int, n: int) -> torch.Tensor:
-        """Features of positions ``[start, start + n)`` [n, H]; zeros where none arrived."""
+    def _feature_rows(self, seq_id: int, start: int, n: int) -> tuple[torch.Tensor, int]:
+        """Features of positions ``[start, start + n)`` [n, H], zeros where none arrived; and the position after
+        the last zero row (``start`` where there is none)."""
         known = self._feats.get(seq_id)
         if known is not None:
             first, rows = known.first, known.rows()
             if first <= start and start + n <= first + rows.shape[0]:
-                return rows[start - first : start - first + n]
+                return rows[start - first : start - first + n], start
         out = torch.zeros(n, self.head.spec.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
+        lo = hi = start + n
         if known is not None:
             lo, hi = max(start, first), min(start + n, first + rows.shape[0])
             if lo < hi:
                 out[lo - start : hi - start] = rows[lo - first : hi - first]
-        return out
+        return out, start + n if hi < start + n else lo
+
+    def _reusable(self, seq: Sequence) -> int:
+        """How many of ``seq``'s leading blocks hold head KV another proposal wrote that is right for it."""
+        bs, table, tokens, hashes = self.block_size, seq.block_table, seq.token_ids, seq.block_hashes
+        i = 0
+        while (i < min(len(table), len(hashes)) and (i + 1) * bs < len(tokens)
+               and self._valid.get(table[i]) == (hashes[i], tokens[(i + 1) * bs])):
+            i += 1
+        return i
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
@@ -196,29 +221,63 @@ class Eagle3Proposer:
         assert len(seqs) <= self.max_batch, (len(seqs), self.max_batch)
         tables = scratch_tables(seqs, self.num_blocks, self.scratch)
         lengths = [len(s.token_ids) for s in seqs]
-        # Head positions to compute: [pos, L - 1); a sequence of one token has no target hidden state yet.
-        pos = [min(self._computed.get(s.seq_id, 0), n - 2) if n >= 2 else n - 1 for s, n in zip(seqs, lengths)]
+        pos = [0] * len(seqs)  # head positions to compute: [pos, L - 1)
+        begin = [0] * len(seqs)  # pos when this proposal started the sequence
+        real = [0] * len(seqs)  # head KV from features from here on
         drafts: list[list[int]] = [[] for _ in seqs]
         last: dict[int, torch.Tensor] = {}  # batch row -> the head's output at its latest position [H]
-        while True:
-            chunks: list[tuple[int, int, list[int], torch.Tensor]] = []  # (row, first position, tokens, feats)
-            left = self.max_pass_tokens
-            for b, seq in enumerate(seqs):
-                if pos[b] < lengths[b] - 1 and left > 0:
-                    n = min(lengths[b] - 1 - pos[b], left)
-                    chunks.append((b, pos[b], seq.token_ids[pos[b] + 1 : pos[b] + 1 + n],
-                                   self._feature_rows(seq.seq_id, pos[b], n)))
-                    left -= n
-            if not chunks:
-                break
-            wanted = [start + len(toks) == lengths[b] - 1 for b, start, toks, _ in chunks]
-            outs = iter(self._forward(chunks, tables, wanted, seqs))
-            for (b, start, toks, _), want in zip(chunks, wanted):
-                pos[b] = start + len(toks)
-                if want:
-                    tok, out = next(outs)
-                    drafts[b].append(tok)
-                    last[b] = out
+
+        def first_position(b: int) -> int:  # a sequence met before resumes; a new one starts after reusable blocks
+            seq, n = seqs[b], lengths[b]
+            known = self._computed.get(seq.seq_id)
+            p = known if known is not None else self._reusable(seq) * self.block_size
+            return min(p, n - 2) if n >= 2 else n - 1  # one token: no target hidden state yet
+
+        def start(rows: list[int]) -> None:
+            for b in rows:
+                seq = seqs[b]
+                pos[b] = begin[b] = first_position(b)
+                real[b] = self._real.get(seq.seq_id, 0) if seq.seq_id in self._computed else pos[b]
+                for block in seq.block_table[pos[b] // self.block_size :]:
+                    self._valid.pop(block, None)  # written again below
+
+        def catch_up(rows: list[int]) -> None:
+            while True:
+                chunks: list[tuple[int, int, list[int], torch.Tensor]] = []  # (row, first position, tokens, feats)
+                left = self.max_pass_tokens
+                for b in rows:
+                    if pos[b] < lengths[b] - 1 and left > 0:
+                        n = min(lengths[b] - 1 - pos[b], left)
+                        feats, after_zeros = self._feature_rows(seqs[b].seq_id, pos[b], n)
+                        real[b] = max(real[b], after_zeros)
+                        chunks.append((b, pos[b], seqs[b].token_ids[pos[b] + 1 : pos[b] + 1 + n], feats))
+                        left -= n
+                if not chunks:
+                    break
+                wanted = [first + len(toks) == lengths[b] - 1 for b, first, toks, _ in chunks]
+                outs = iter(self._forward(chunks, tables, wanted, seqs))
+                for (b, first, toks, _), want in zip(chunks, wanted):
+                    pos[b] = first + len(toks)
+                    if want:
+                        tok, out = next(outs)
+                        drafts[b].append(tok)
+                        last[b] = out
+            # the blocks it finished whose every position's head KV came from features (the draft steps write past
+            # them; those finished before were recorded then)
+            bs = self.block_size
+            for b in rows:
+                seq, hashes = seqs[b], seqs[b].block_hashes
+                for i in range(max(-(-real[b] // bs), begin[b] // bs), min(pos[b] // bs, len(hashes),
+                                                                           len(seq.block_table))):
+                    self._valid[seq.block_table[i]] = (hashes[i], seq.token_ids[(i + 1) * bs])
+
+        # New sequences without features from where they would start (a hit) catch up after the rest, which
+        # may be writing the head KV of the blocks they share.
+        later = [b for b, seq in enumerate(seqs) if seq.seq_id not in self._computed
+                 and (f.first if (f := self._feats.get(seq.seq_id)) is not None else lengths[b]) > first_position(b)]
+        for rows in ([b for b in range(len(seqs)) if b not in later], later):
+            start(rows)
+            catch_up(rows)
         for i in range(1, max(rooms)):
             chunks = [(b, lengths[b] - 2 + i, [drafts[b][-1]], last[b][None]) for b in range(len(seqs))
                       if rooms[b] > i and b in last]
@@ -227,9 +286,10 @@ class Eagle3Proposer:
             for (b, _, _, _), (tok, out) in zip(chunks, self._forward(chunks, tables, [True] * len(chunks), seqs)):
                 drafts[b].append(tok)
                 last[b] = out
-        for seq, n in zip(seqs, lengths):
+        for seq, n, r in zip(seqs, lengths, real):
             done = min(max(n - 1, 0), len(seq.block_table) * bs)  # draft positions never count
             self._computed[seq.seq_id] = done
+            self._real[seq.seq_id] = min(r, done)
             known = self._feats.get(seq.seq_id)
             if known is not None:  # keep the last known position's feature: a proposal at the same length redoes it
                 known.drop_before(min(done, n - 2))

@@ -128,7 +128,7 @@ def recording(engine) -> list[tuple[list[int], int, list[int]]]:  # noqa: ANN001
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
 def test_greedy_with_eagle3_equals_plain_and_the_drafts_the_reference(target, heads, prompts, fmt) -> None:
     """20 tokens per step (prompts chunked next to drafts), 12 blocks of 16 (preemption), no prefix caching
-    (its hits give the head zero features, which the reference does not model)."""
+    (test_with_prefix_hits_every_draft_is_the_reference covers hits)."""
     plain = run(make_engine(target, budget=20, blocks=12, caching=False), [(p, GREEDY) for p in prompts], late=1)
     engine = make_engine(target, eagle_config(heads[fmt]), budget=20, blocks=12, caching=False)
     seen = recording(engine)
@@ -289,3 +289,21 @@ def test_a_ranks_start_up_does_not_import_the_heads_llama_config():
             "print(sorted(m for m in sys.modules if m.startswith('transformers.models.llama')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_with_prefix_hits_every_draft_is_the_reference(target, heads, prompts) -> None:
+    """Prompts sharing four whole blocks, three arriving together (they share blocks within the step) and two
+    after four steps (hits on blocks computed before): the head's KV of the shared blocks is reused from the
+    sequence that wrote it from the target's hidden states, and the last block of each hit is computed again
+    (the head's KV at its last position reads the first token after the shared ones, which differs), so every
+    draft equals the reference's from the whole prompt's hidden states (hit positions got zero features before)."""
+    engine = make_engine(target, eagle_config(heads["specforge"]))
+    shared = [prompts[3][:64] + p[:5] for p in prompts]
+    seen = recording(engine)
+    outs = run(engine, [(p, GREEDY) for p in shared], late=2)
+    stats = engine.stats()
+    assert stats["prefix_hit_tokens"] == 4 * 48 and stats["spec_num_drafts"] > 40
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, MAX_TOKENS) for p in shared]
+    for tokens, room, drafts in seen[::2]:
+        assert drafts == reference_drafts(hf, heads["specforge"], tokens, room), (len(tokens), room)
