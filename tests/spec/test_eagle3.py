@@ -17,7 +17,11 @@ from transformers import AutoModelForCausalLM
 
 from rtp.assets import trained_eagle3_dir, trained_model_dir
 from rtp.config import SpeculativeConfig
+from rtp.core.block_manager import BlockManager
+from rtp.core.sequence import Sequence
 from rtp.errors import ConfigError
+from rtp.runtime.model_runner import StepOutput
+from rtp.runtime.stage_output import AuxHidden
 from rtp.sampling import SamplingParams
 from rtp.spec.eagle3 import Eagle3Proposer, open_head
 from rtp.testing import default_model_dir
@@ -307,3 +311,30 @@ def test_with_prefix_hits_every_draft_is_the_reference(target, heads, prompts) -
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, MAX_TOKENS) for p in shared]
     for tokens, room, drafts in seen[::2]:
         assert drafts == reference_drafts(hf, heads["specforge"], tokens, room), (len(tokens), room)
+
+
+def test_a_blocks_reusable_head_kv_is_forgotten_once_another_sequence_writes_it(target, heads) -> None:
+    """The bookkeeping behind the reuse above: the blocks sequence A's head KV filled from features are reusable by
+    a sequence with A's tokens in them, until a sequence C writes the head KV of one of them without features (it
+    holds the block after A, and its target hidden states never reached the proposer)."""
+    proposer = make_engine(target, eagle_config(heads["specforge"])).spec.proposer
+    assert isinstance(proposer, Eagle3Proposer)
+    hashes = BlockManager(64, 16)  # for the chained block hashes
+    gen = torch.Generator().manual_seed(5)
+    p, q = (torch.randint(0, 500, (40,), generator=gen).tolist() for _ in range(2))
+
+    def seq(seq_id: int, tokens: list[int], table: list[int]) -> Sequence:
+        s = Sequence(seq_id, tokens, GREEDY)
+        s.block_table = table
+        hashes.seq_block_hashes(s)
+        return s
+
+    a = seq(1, p, [5, 6, 7])
+    width = proposer.head.fc.full_shapes[None][1]  # the aux layers' hidden states, concatenated
+    proposer.observe(StepOutput(aux_hidden=AuxHidden([1], [0], [0], torch.randn(40, width, generator=gen))))
+    proposer.propose([a], [K])
+    twin = seq(2, p, [5, 6, 9])
+    assert proposer._reusable(twin) == 2  # the two whole blocks below position 39 (the last one reads token 32)
+    assert proposer._reusable(seq(3, p[:16] + q[16:], [5, 6, 9])) == 0  # another token after block 0
+    proposer.propose([seq(4, q, [5, 8, 10])], [K])  # no features: zeros written into block 5
+    assert proposer._reusable(twin) == 0
