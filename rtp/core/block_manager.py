@@ -8,12 +8,13 @@ Prefix cache. Block ``i`` of a sequence that is full is named by
 ``h_i = xxh64(h_{i-1} || token_ids of block i)``, so equal hashes mean equal
 prefixes (up to 64-bit collisions). A hash is registered once the block is
 full and its KV is computed or being computed (``cache_computed_blocks``): the
-blocks of a sequence admitted to a step as soon as that step is scheduled, so
-that a sequence admitted after it in the same step may share them, because
-every layer stores the step's keys and values in the cache before its
-attention reads the cache (vLLM too registers a block when it allocates it for
-a step); the blocks a running sequence fills, after their step ran. Steps run
-in the order they are scheduled, so every later step finds the KV written.
+blocks a chunk of known tokens fills (an admitted sequence's first chunk, a
+running one's next) as soon as its step is scheduled, so that a sequence
+admitted after it in the same step may share them, because every layer stores
+the step's keys and values in the cache before its attention reads the cache
+(vLLM too registers a block when it allocates it for a step); the blocks draft
+positions fill, once verified. Steps run in the order they are scheduled, so
+every later step finds the KV written.
 
 A block whose reference count drops to 0 keeps its hash and stays findable,
 parked in an LRU pool; it is evicted (hash entry dropped) only when a fresh

@@ -222,7 +222,7 @@ class Scheduler:
             if seq.needs_prompt_logits and computed >= seq.num_prompt_tokens - 1:
                 seq.needs_prompt_logits = False  # the engine consumed this step's prompt logits
             if caching and computed // bs > seq.num_hashed_blocks:  # a block filled up
-                bm.cache_computed_blocks(seq)  # a running chunk or decode filled a block
+                bm.cache_computed_blocks(seq)  # (no-op where the step registered them when scheduled)
             if token is None:
                 continue
             if forks and seq.seq_id in forks:
@@ -330,6 +330,11 @@ class Scheduler:
                         break  # it preempted itself: every newer sequence is gone too
                     n = min(n, fit)
                 bm.append(seq, computed + n)
+            if not draft:
+                # As an admission's: the blocks this chunk fills are findable at once, so that a later admission
+                # of this step may share them (a long prompt's later chunks, a system prompt another request has
+                # started). Draft positions are registered once verified.
+                bm.cache_computed_blocks(seq, computed + n)
             budget -= n
             if wants_logits:
                 logit_rows -= n

@@ -75,9 +75,13 @@ class World:
             assert seq.token_ids[: len(m["tokens"])] == m["tokens"]
             assert seq.block_table[: len(m["blocks"])] == m["blocks"]
         # "Run" the step as a layer does: first write the KV of the query positions, never into a shared block
-        # other than one this step fills for the first time (a later admission of the step may share it)...
+        # other than one this step fills for the first time (a later admission of the step may share it: an
+        # admission's blocks past its hit, a running sequence's from the one its chunk starts in)...
         fresh = {b: ns.seq_id for ns in plan.new_seqs for b in ns.block_table[ns.num_computed_tokens // self.bs:]}
-        fresh.update((b, cs.seq_id) for cs in plan.cached_seqs for b in cs.new_block_ids)  # block -> who got it
+        running_ids = {cs.seq_id for cs in plan.cached_seqs}
+        fresh.update((b, item.seq.seq_id) for item in result.scheduled if item.seq.seq_id in running_ids
+                     for b in item.seq.block_table[(item.seq.num_computed_tokens + busy.get(item.seq.seq_id, 0))
+                                                   // self.bs:])  # block -> who fills it
         for item in result.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens + busy.get(seq.seq_id, 0)
@@ -438,6 +442,22 @@ def test_a_step_registers_only_the_blocks_it_computes() -> None:
     assert len(sched.block_manager.cached_blocks()) == 4
     result, _ = step(sched, world)  # a's last position, then b: a hit on a's 4 blocks, 1 position to compute
     assert [s.num_new_tokens for s in result.scheduled] == [1, 1] and b.num_cached_tokens == 8
+
+
+def test_an_admission_shares_the_blocks_a_running_chunk_fills_in_its_step() -> None:
+    """A long prompt's last chunk fills a block in the step that admits a second request with the same prompt: the
+    second one shares it at once (it computed those positions again before)."""
+    sched, world = make(block_size=2, budget=8)
+    prompt = list(range(1, 12))  # 11 positions: 8 in the first chunk, the last 3 (filling block 4) in the second
+    a, b = seq(0, prompt, max_tokens=2, ignore_eos=True), seq(1, prompt, max_tokens=2, ignore_eos=True)
+    sched.add(a)
+    step(sched, world)
+    sched.add(b)
+    result, _ = step(sched, world)
+    assert {s.seq.seq_id: s.num_new_tokens for s in result.scheduled} == {0: 3, 1: 1}
+    assert b.num_cached_tokens == 10 and b.block_table[:5] == a.block_table[:5]
+    check_invariants(sched, world, [a, b])
+    run_to_end(sched, world, [a, b], max_steps=5)
 
 
 def test_stale_hash_not_hit_after_reuse() -> None:

@@ -16,6 +16,7 @@ from rtp.runtime.engine import Engine
 from rtp.runtime.model_runner import ModelRunner
 from rtp.sampling import SamplingParams
 from rtp.testing import default_model_dir
+from tests.utils import hf_greedy
 
 BLOCK = 16
 
@@ -155,3 +156,27 @@ def test_bad_words_are_never_generated(model_dir) -> None:
     (out,) = run(engine, [(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                              bad_words=[tok.decode([target])]))])
     assert target not in out.token_ids and out.token_ids != plain.token_ids
+
+
+def test_a_request_shares_the_block_a_running_prompt_chunk_fills_in_the_same_step(model_dir, hf) -> None:
+    """A 120-token prompt in chunks of 48: its last chunk (positions 96-119) fills block 6 in the step that admits a
+    request sharing its first 112 tokens, which finds seven blocks in the cache (six before the scheduler registered
+    a running chunk's blocks when it scheduled the chunk) and computes only its last 8 positions; both outputs are
+    HF's."""
+    engine = make_engine(model_dir, caching=True, budget=48)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    a, b = prompt(120, 1), prompt(120, 1)[:112] + prompt(8, 2)
+    ids = [engine.add_request(a, greedy)]
+    done = {}
+    for step in range(60):
+        if step == 2:
+            ids.append(engine.add_request(b, greedy))
+            before = engine.stats()["prefix_hit_tokens"]
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if step == 2:
+            assert engine.stats()["prefix_hit_tokens"] - before == 112
+        if step > 2 and not engine.has_unfinished():
+            break
+    assert [done[i].token_ids for i in ids] == [hf_greedy(hf, p, 6) for p in (a, b)]
