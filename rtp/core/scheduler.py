@@ -277,7 +277,7 @@ class Scheduler:
         cfg, bm = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
         logit_rows = cfg.max_prompt_logit_rows  # prompt positions left this step for prompt logprobs
-        bs = cfg.block_size
+        bs, caching = cfg.block_size, bm.enable_prefix_caching
         seats = cfg.max_num_seqs if seats is None else seats
         running = ScheduleResult()
         # The columns of ScheduleResult.add, filled in place: this loop runs for every running sequence
@@ -330,7 +330,7 @@ class Scheduler:
                         break  # it preempted itself: every newer sequence is gone too
                     n = min(n, fit)
                 bm.append(seq, computed + n)
-            if not draft:
+            if caching and not draft and (computed + n) // bs > seq.num_hashed_blocks:
                 # As an admission's: the blocks this chunk fills are findable at once, so that a later admission
                 # of this step may share them (a long prompt's later chunks, a system prompt another request has
                 # started). Draft positions are registered once verified.
