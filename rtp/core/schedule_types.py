@@ -34,8 +34,9 @@ class SchedulerLimits:
     """Most prompt positions per step of the sequences that want prompt logprobs (each is a float32
     row of the whole vocabulary on rank 0: 512 rows of Qwen3's 151,936 ids are 311 MB)."""
     recompute_last_hit: bool = False
-    """The last block of a prefix-cache hit is computed again, in a block of the sequence's own (EAGLE-3:
-    the head's KV at a block's last position reads the token after the block, see rtp.spec.eagle3)."""
+    """The last block of a prefix-cache hit, and of the prompt blocks an n > 1 sample shares where the prompt ends
+    on a block boundary, is computed again in a block of the sequence's own (EAGLE-3: the head's KV at a block's
+    last position reads the token after the block, see rtp.spec.eagle3)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks",

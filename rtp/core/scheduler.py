@@ -26,7 +26,8 @@ other samples' first tokens from the same logits (the engine does it), and
 each other sample becomes a *fork*: it shares the prompt's full KV blocks
 (reference counts) and recomputes only the tokens of the last, partial prompt
 block into a block of its own (fewer than ``block_size`` tokens, counted in
-``num_fork_tail_tokens``, not as prefill). Forks wait in their own queue.
+``num_fork_tail_tokens``, not as prefill; with ``recompute_last_hit``, a prompt
+that ends on a block boundary: its last block). Forks wait in their own queue.
 
 Prompt logprobs: a sequence that wants them skips the prefix cache (every
 prompt position must be computed), at most ``max_prompt_logit_rows`` of its
@@ -413,6 +414,8 @@ class Scheduler:
         if child.seq_id in self._seqs:
             raise RequestError(f"request id {child.seq_id} is already in use by an unfinished request")
         full = parent.num_prompt_tokens // self.config.block_size
+        if self.config.recompute_last_hit and full * self.config.block_size == parent.num_prompt_tokens:
+            full -= 1  # as for a hit: the token after the last whole block is the sample's own (EAGLE-3 reads it)
         self.block_manager.share(parent, child, full)
         child.num_computed_tokens = full * self.config.block_size
         child.is_fork = True

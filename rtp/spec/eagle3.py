@@ -24,9 +24,10 @@ head's KV of a shared block is what the block's first owner wrote, and it stays 
 sequence when it was written from features (not zeros) and the token after the block is the same (the
 head at the block's last position read it). The proposer records such blocks (block id -> the prefix's
 chained hash and that token) and a sequence it meets for the first time starts after its leading
-recorded blocks. The scheduler leaves out the last block of every hit (``recompute_last_hit``): the
-token after it is the sequence's own, so the sequence computes it again in a block of its own, and
-the head gets its features. A sequence whose hit blocks are being written in the same proposal by
+recorded blocks. The scheduler leaves out the last block of every hit (``recompute_last_hit``; and of
+the prompt blocks an n > 1 sample shares, where the prompt ends on a block boundary): the token after
+it is the sequence's own, so the sequence computes it again in a block of its own, and the head gets
+its features. A sequence whose hit blocks are being written in the same proposal by
 the sequence that owns them catches up after that one (a second pass). Positions still without
 features (hit blocks no owner wrote from features, batches above ``disable_by_batch_size``) get
 zero features: the head still sees their tokens, drafts there are merely worse.

@@ -338,3 +338,18 @@ def test_a_blocks_reusable_head_kv_is_forgotten_once_another_sequence_writes_it(
     assert proposer._reusable(seq(3, p[:16] + q[16:], [5, 6, 9])) == 0  # another token after block 0
     proposer.propose([seq(4, q, [5, 8, 10])], [K])  # no features: zeros written into block 5
     assert proposer._reusable(twin) == 0
+
+
+def test_samples_of_a_prompt_ending_on_a_block_boundary_draft_the_reference(target, heads, prompts) -> None:
+    """n = 3 sampled from a 32-token prompt (two whole blocks): the samples share the prompt's blocks, but the
+    head's KV at the last prompt position reads each sample's own first token, so every sample but the first
+    computes the last block again in a block of its own; every draft equals the reference's."""
+    engine = make_engine(target, eagle_config(heads["specforge"]))
+    seen = recording(engine)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = run(engine, [(prompts[3][:32], sampled)])
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) == 3  # the samples differ
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    assert len(seen) > 20
+    for tokens, room, drafts in seen:
+        assert drafts == reference_drafts(hf, heads["specforge"], tokens, room), (len(tokens), room)
