@@ -1006,11 +1006,6 @@ static inline void softmax_tile(float* s, int64_t nt, const int64_t* visible, fl
 }
 #endif
 
-// The cascade pass. Where a decode step's sequences share their leading blocks (a system prompt in the prefix
-// cache), each sequence's task would read the same keys and score them against its own query rows, a dot product
-// at a time. Here each KV head's query rows of all B sequences score the shared keys together in the prompt
-// kernel's pair tiles (keys gathered and transposed once per KB, then PR rows x TW keys of scores a tile), an
-// online softmax over them; the result, per row, is one more part for decode_impl's merge.
 // tile(height, r0) over rows [0, rows_pad) (an even count) in tiles of PR rows, then 4, then 2, the height an
 // integral_constant (the tile kernels' row count is a template argument).
 template <typename F>
@@ -1023,6 +1018,12 @@ static inline void for_row_tiles(int64_t rows_pad, F&& tile) {
 }
 
 #ifdef RTP_PAIR_DECODE
+// The cascade pass. Where a decode step's sequences share their leading blocks (a system prompt in the prefix
+// cache), each sequence's task would read the same keys and score them against its own query rows, a dot product
+// at a time. Here each KV head's query rows of all B sequences score the shared keys together in the prompt
+// kernel's pair tiles (keys gathered and transposed once per KB, then PR rows x TW keys of scores a tile), an
+// online softmax over them; the result, per row, is one more part for decode_impl's merge.
+
 // Keys in the leading blocks that every sequence's table holds alike, all before each sequence's last key.
 static int64_t shared_prefix_keys(const PagedCache<at::BFloat16>& cache, const int32_t* lens, int64_t B) {
   int64_t shortest = lens[0];
