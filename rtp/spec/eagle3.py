@@ -231,7 +231,7 @@ class Eagle3Proposer:
         def first_position(b: int) -> int:  # a sequence met before resumes; a new one starts after reusable blocks
             seq, n = seqs[b], lengths[b]
             known = self._computed.get(seq.seq_id)
-            p = known if known is not None else self._reusable(seq) * self.block_size
+            p = known if known is not None else self._reusable(seq) * bs
             return min(p, n - 2) if n >= 2 else n - 1  # one token: no target hidden state yet
 
         def start(rows: list[int]) -> None:
@@ -239,7 +239,7 @@ class Eagle3Proposer:
                 seq = seqs[b]
                 pos[b] = begin[b] = first_position(b)
                 real[b] = self._real.get(seq.seq_id, 0) if seq.seq_id in self._computed else pos[b]
-                for block in seq.block_table[pos[b] // self.block_size :]:
+                for block in seq.block_table[pos[b] // bs :]:
                     self._valid.pop(block, None)  # written again below
 
         def catch_up(rows: list[int]) -> None:
@@ -265,7 +265,6 @@ class Eagle3Proposer:
                         last[b] = out
             # the blocks it finished whose every position's head KV came from features (the draft steps write past
             # them; those finished before were recorded then)
-            bs = self.block_size
             for b in rows:
                 seq, hashes = seqs[b], seqs[b].block_hashes
                 for i in range(max(-(-real[b] // bs), begin[b] // bs), min(pos[b] // bs, len(hashes),
