@@ -125,8 +125,8 @@ async def stream_events(metrics: ServerMetrics, stream: RequestStream, num_promp
                 choices = [build] + [build.for_choice(c.index) for c in out.samples[1:]]
                 sent = [0] * len(out.samples)
                 for b in choices[1:]:
-                    if (first := b.first_chunk()) is not None:
-                        yield _sse(first)
+                    if (opening := b.first_chunk()) is not None:
+                        yield _sse(opening)
             for i, c in enumerate(out.samples):
                 if sent[i] < 0 or (not c.new_token_ids and not c.finished):
                     continue  # finished and reported already, or unchanged in this step

@@ -114,6 +114,18 @@ def test_n_choices_equal_separate_seeded_requests_and_stream(client, model):
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=2, seed=3,
                                           max_tokens=6, temperature=1.0)
     assert sorted(c.index for c in chat.choices) == [0, 1] and chat.usage.completion_tokens == 12
+    # A chat stream of n choices opens each with one role chunk (carrying the echoed message): the text streamed
+    # equals the text returned whole.
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Good morrow"}]
+    kw = {"model": model, "messages": msgs, "n": 3, "seed": 3, "max_tokens": 6, "temperature": 1.0,
+          "extra_body": {"echo": True, "continue_final_message": True, "add_generation_prompt": False}}
+    whole = [c.message.content for c in sorted(client.chat.completions.create(**kw).choices, key=lambda c: c.index)]
+    roles, streamed = [0, 0, 0], ["", "", ""]
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            roles[c.index] += c.delta.role is not None
+            streamed[c.index] += c.delta.content or ""
+    assert roles == [1, 1, 1] and streamed == whole and all(t.startswith("Good morrow") for t in whole)
 
 
 @pytest.mark.timeout(300)
