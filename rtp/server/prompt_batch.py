@@ -84,6 +84,7 @@ async def batch_completions(api: ServerContext, request: Request, req: Completio
             build = _PromptBuilder("text_completion", rid, api.model_name, api.tokenizer, len(ids), req.logprobs,
                                    base=i * n)
             build.prompt_logprobs, build.continuous_usage = req.prompt_logprobs, req.continuous_usage
+            build.prompt_only = req.prompt_only
             if req.echo:
                 build.echo = await api.echo_text(req, prompt, ids)
             builders.append(build)

@@ -242,6 +242,8 @@ class CompletionRequest(CommonRequest):
 
     prompt: Prompt = Field(description="text, token ids, or a list of prompts (texts or token-id lists): "
                                        "choice i * n + j is sample j of prompt i")
+    max_tokens: int | None = Field(default=None, ge=0, description="0 with echo: the prompt alone (with logprobs: "
+                                                                   "scored), nothing generated")
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = Field(default=None, description="return the prompt before the completion (with logprobs: "
                                                           "the prompt tokens' logprobs too)")
@@ -262,6 +264,24 @@ class CompletionRequest(CommonRequest):
             raise PydanticCustomError(
                 "prompt_type", "must be a non-empty string, a non-empty list of non-negative token ids, "
                 "or a list of these (one per prompt)") from None
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0 (vLLM's, OpenAI's legacy scoring): each choice is the prompt alone, with its
+        logprobs where asked; the engine makes one token, which the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens=0 generates nothing: it is only allowed with echo (the prompt alone)",
+                           "max_tokens")
+        if self.prompt_only and self.min_tokens:
+            raise ApiError(400, "min_tokens asks for generated tokens, which max_tokens=0 with echo leaves out",
+                           "min_tokens")
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.prompt_only else self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """Every prompt, as text or token ids (one for a single prompt)."""

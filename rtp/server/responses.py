@@ -20,7 +20,9 @@ generated token of every choice, the EOS or stop token included; the prompt coun
 
 Completions with ``echo``: the text starts with the prompt; with logprobs, the
 logprobs start with the prompt tokens' (the first one's logprob and top_logprobs
-are null, as OpenAI's), from the prompt logprobs of the same forward pass.
+are null, as OpenAI's), from the prompt logprobs of the same forward pass. With ``max_tokens: 0`` as
+well, each choice is the prompt alone (finish_reason "length", no completion tokens): the engine makes one
+token, which is left out, as vLLM does.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class ResponseBuilder:
         self._echo_sent = False
         self.prompt_logprobs: int | None = None  # completions: how many top tokens prompt_logprobs name
         self._prompt_logprobs_sent = False
+        self.prompt_only = False  # completions' echo with max_tokens 0: the generated token is left out
 
     def for_choice(self, index: int) -> ResponseBuilder:
         """A builder for choice ``index`` (n > 1), with its own offsets and chat parser; call on a fresh builder."""
@@ -67,7 +70,7 @@ class ResponseBuilder:
 
     def usage(self, out: RequestOutput) -> dict[str, Any]:
         """The request's usage (every choice's generated tokens)."""
-        return {**self.counts(out.num_completion_tokens),
+        return {**self.counts(0 if self.prompt_only else out.num_completion_tokens),
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
     def counts(self, completion: int) -> dict[str, Any]:
@@ -200,7 +203,15 @@ class ResponseBuilder:
         body["usage"] = self.usage(out)
         return body
 
+    def _prompt_choice(self, request: RequestOutput) -> dict[str, Any]:
+        """A prompt_only choice: the echo (and the prompt's logprobs where asked), finished for length."""
+        choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        self._with_prompt(choice, request)
+        return choice
+
     def _full_choice(self, out: RequestOutput | CompletionOutput, request: RequestOutput) -> dict[str, Any]:
+        if self.prompt_only:
+            return self._prompt_choice(request)
         choice: dict[str, Any] = {"index": self.index}
         finish_reason = out.finish_reason
         if self.chat and self.chat_output is not None:
@@ -237,6 +248,13 @@ class ResponseBuilder:
         """
         request = request if request is not None else out  # type: ignore[assignment]
         assert isinstance(request, RequestOutput)
+        if self.prompt_only:  # one chunk, once the engine's one token is made
+            if not out.finished:
+                return None
+            body = self._envelope("text_completion", [self._prompt_choice(request)])
+            if self.continuous_usage:
+                body["usage"] = self.counts(0)
+            return body
         new_tokens = len(out.token_ids) > start
         logprobs = self._logprobs(out, start) if new_tokens else None
         echo_now = self.echo is not None and not self._echo_sent and not self.chat

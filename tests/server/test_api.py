@@ -512,7 +512,9 @@ BAD_REQUESTS = [
     ("completions", b"\xff\xfe", 400, None),
     ("completions", b"[1, 2]", 400, None),
     ("completions", b"", 400, None),
-    ("completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),  # allowed with echo only
+    ("completions", {"prompt": "a", "max_tokens": 0, "echo": True, "min_tokens": 1}, 400, "min_tokens"),
+    ("chat/completions", {"messages": MSG, "max_tokens": 0, "echo": True}, 400, "max_tokens"),
     ("completions", {"prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
     ("completions", {"prompt": "a", "max_tokens": 41}, 400, "max_tokens"),  # over server.max_tokens_limit
     ("completions", {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),

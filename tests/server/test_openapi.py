@@ -74,7 +74,8 @@ def test_generation_routes_document_every_accepted_field(schema):
     # The bounds the validation enforces, as published.
     assert props["temperature"]["anyOf"][0] == {"type": "number", "minimum": 0.0, "maximum": 2.0}
     assert props["top_p"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
-    assert props["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+    assert props["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0}  # 0 with echo: the prompt alone
+    assert chat["properties"]["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
     assert props["logprobs"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 20}
     assert props["stream"] == {"type": "boolean", "default": False, "title": "Stream"}
     assert {"type": "string", "minLength": 1} in props["prompt"]["anyOf"]

@@ -55,6 +55,25 @@ def test_echo_logprobs_equal_hf_log_softmax(client, model):
         assert abs(max(lp.top_logprobs[i].values()) - ref[i - 1].max().item()) < 1e-4
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[len(ids)] == len(PROMPT)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3
+    # max_tokens 0 with echo (scoring the prompt, as lm-eval's loglikelihood requests do): the prompt alone, with
+    # the same logprobs, nothing generated; streamed as one chunk.
+    for stream in (False, True):
+        kw = {"model": model, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
+        if stream:
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            (choice,) = [c.choices[0] for c in chunks if c.choices]
+            usage = chunks[-1].usage
+        else:
+            r = client.completions.create(**kw)
+            choice, usage = r.choices[0], r.usage
+        assert choice.text == PROMPT and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+        assert all(abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-4 for i in range(1, len(ids)))
+        assert usage.prompt_tokens == len(ids) and usage.completion_tokens == 0
+    two = client.completions.create(model=model, prompt=[PROMPT, "Once upon"], max_tokens=0, echo=True, n=2)
+    assert [c.text for c in sorted(two.choices, key=lambda c: c.index)] == [PROMPT, PROMPT, "Once upon", "Once upon"]
+    assert two.usage.completion_tokens == 0
 
 
 @pytest.mark.timeout(300)

@@ -53,7 +53,7 @@ class GenerationRoutes:
         constraint = await ctx.constraint(req.grammar_spec())
         stream, ids, rid, _ = await ctx.submit(req, req.prompt_value(), req.logprobs, "cmpl", "prompt", constraint)
         build = ResponseBuilder("text_completion", rid, ctx.model_name, ctx.tokenizer, len(ids), req.logprobs)
-        build.prompt_logprobs = req.prompt_logprobs
+        build.prompt_logprobs, build.prompt_only = req.prompt_logprobs, req.prompt_only
         if req.echo:
             build.echo = await ctx.echo_text(req, req.prompt_value(), ids)
         return await ctx.respond(request, req, stream, ids, build)
