@@ -128,6 +128,8 @@ class SamplingParams:
             raise bad("min_p", "expected a number in [0, 1]")
         if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             raise bad("seed", "expected an integer in [-2**63, 2**64) or None")
+        if self.seed is not None and self.seed + self.n > 2**64:
+            raise bad("seed", f"with n={self.n} sample i uses seed + i: expected an integer below 2**64 - {self.n - 1}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "expected a positive integer or None")
         if not is_int(self.min_tokens) or self.min_tokens < 0:

@@ -83,6 +83,13 @@ def test_min_tokens_above_max_tokens() -> None:
     assert SamplingParams(min_tokens=500, max_tokens=None).min_tokens == 500
 
 
+def test_a_seed_leaves_room_for_each_samples_seed() -> None:
+    """Sample i of n uses seed + i: the error names the request's own seed and why, not seed + i."""
+    with pytest.raises(RequestError, match=r"SamplingParams\.seed=18446744073709551615 .*n=2 .*seed \+ i"):
+        SamplingParams(seed=2**64 - 1, n=2)
+    assert SamplingParams(seed=2**64 - 2, n=2).seed == 2**64 - 2 and SamplingParams(seed=2**64 - 1).seed
+
+
 def test_defaults_and_valid_values() -> None:
     p = SamplingParams()
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, -1, 0.0)
