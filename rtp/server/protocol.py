@@ -68,7 +68,7 @@ def unsupported_hint(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str,
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)  # NaN and infinities: not numbers here
 
 
 # Pieces of the request schema, shared by the fields below.

@@ -521,6 +521,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "max_tokens": 2.5}, 400, "max_tokens"),
     ("completions", {"prompt": "a", "temperature": True}, 400, "temperature"),
     ("completions", {"prompt": "a", "temperature": 2.5}, 400, "temperature"),
+    ("completions", b'{"prompt": "a", "temperature": NaN}', 400, "temperature"),  # not "above 2": not a number
+    ("completions", b'{"prompt": "a", "presence_penalty": -Infinity}', 400, "presence_penalty"),
     ("completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
     ("completions", {"prompt": "a", "stop": 3}, 400, "stop"),
@@ -594,6 +596,14 @@ def test_bad_requests_get_openai_errors_and_generate_nothing(served, endpoint, b
     assert engine.added == []
     # The server keeps serving.
     assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+def test_a_number_that_is_not_finite_is_named_so(served):
+    client, engine, _ = served
+    for body in (b'{"prompt": "a", "temperature": NaN}', b'{"prompt": "a", "logit_bias": {"5": -Infinity}}'):
+        r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "finite number" in r.json()["error"]["message"], r.text
+    assert not engine.added
 
 
 def test_body_over_the_limit_is_413(tokenizer):
