@@ -50,7 +50,8 @@ def ranks_to_start(module: str, args: argparse.Namespace) -> int:
         times = f" x --pipeline-parallel-size {pp}" if pp > 1 else f" x --data-parallel-size {dp}" if dp > 1 else ""
         raise RtpError(f"--nproc-per-node {nproc} and --tensor-parallel-size {tp}{times} disagree: "
                        "give one of them")
-    nproc = nproc or (config.parallel.tensor_parallel_size or 1) * split
+    if nproc is None:
+        nproc = (config.parallel.tensor_parallel_size or 1) * split
     if nproc % dp:
         raise RtpError(f"--nproc-per-node {nproc} is not a multiple of --data-parallel-size {dp}")
     local = config.parallel.data_parallel_size_local
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     _, forward = own.parse_known_args(rest)
     try:
         nproc = ranks_to_start(module, args)
+        if hasattr(entry, "check_args"):
+            entry.check_args(args)  # e.g. generate's input and output files
     except RtpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -27,10 +28,10 @@ from rtp.outputs import CompletionOutput, RequestOutput
 # Openings from the default model's corpus (Shakespeare's plays) and one line it never saw.
 DEMO_PROMPTS = ["If music be the food of love,", "Friends, Romans, countrymen,", "Now is the winter of our discontent",
                 "The quick brown fox"]
-PARAM_FIELDS = {f.name for f in dataclasses.fields(rtp.SamplingParams) if f.init}
+PARAM_FIELDS = {f.name for f in dataclasses.fields(rtp.SamplingParams) if f.init} - {"constraint"}  # JSON fields
 # The demo prints each prompt's greedy continuation and a seeded sample beside it: greedy decoding of the
 # small shipped model loops ("The king of the king"), a sample reads more like a play.
-DEMO_TEMPERATURE, DEMO_TOP_P, DEMO_SEED = 0.8, 0.95, 0
+DEMO_TEMPERATURE, DEMO_TOP_P, DEMO_SEED, DEMO_MAX_TOKENS = 0.8, 0.95, 0, 32
 
 
 def read_requests(path: str) -> tuple[list, list[dict[str, Any]], list[int]]:
@@ -39,34 +40,55 @@ def read_requests(path: str) -> tuple[list, list[dict[str, Any]], list[int]]:
     Raises RtpError naming the line of the first bad entry.
     """
     prompts, params, linenos = [], [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                if not isinstance(item, dict):
-                    raise ValueError("expected a JSON object")
-                if ("prompt" in item) == ("prompt_token_ids" in item):
-                    raise ValueError('give exactly one of "prompt" or "prompt_token_ids"')
-                key = "prompt" if "prompt" in item else "prompt_token_ids"
-                prompt = item.pop(key)
-                if key == "prompt" and not (isinstance(prompt, str) and prompt):
-                    raise ValueError('"prompt" must be a non-empty string')
-                if key == "prompt_token_ids" and not (
-                    isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
-                ):
-                    raise ValueError('"prompt_token_ids" must be a non-empty list of integers')
-                unknown = set(item) - PARAM_FIELDS
-                if unknown:
-                    raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(PARAM_FIELDS)}")
-                rtp.SamplingParams(**item)  # checked now; built after init, the model's defaults filling the rest
-                params.append(item)
-                prompts.append(prompt)
-                linenos.append(lineno)
-            except (ValueError, TypeError) as e:
-                raise RtpError(f"{path}:{lineno}: {e}") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise RtpError(f"{path}: cannot read the prompts file: {getattr(e, 'strerror', None) or e}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            if not isinstance(item, dict):
+                raise ValueError("expected a JSON object")
+            if ("prompt" in item) == ("prompt_token_ids" in item):
+                raise ValueError('give exactly one of "prompt" or "prompt_token_ids"')
+            key = "prompt" if "prompt" in item else "prompt_token_ids"
+            prompt = item.pop(key)
+            if key == "prompt" and not (isinstance(prompt, str) and prompt):
+                raise ValueError('"prompt" must be a non-empty string')
+            if key == "prompt_token_ids" and not (
+                isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+            ):
+                raise ValueError('"prompt_token_ids" must be a non-empty list of integers')
+            unknown = set(item) - PARAM_FIELDS
+            if unknown:
+                raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(PARAM_FIELDS)}")
+            rtp.SamplingParams(**item)  # checked now; built after init, the model's defaults filling the rest
+            params.append(item)
+            prompts.append(prompt)
+            linenos.append(lineno)
+        except (ValueError, TypeError) as e:
+            raise RtpError(f"{path}:{lineno}: {e}") from None
     return prompts, params, linenos
+
+
+def check_output(path: str) -> None:
+    """Refuse an ``--output`` the completions could not be written to, before any work (RtpError)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise RtpError(f"--output {path} is a directory: give a file name")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise RtpError(f"--output {path}: cannot write a file into {folder}")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What ``rtp generate`` checks before it starts the ranks: the prompts file reads, the output can be written."""
+    if args.prompts_file:
+        read_requests(args.prompts_file)
+    if args.output:
+        check_output(args.output)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(ap, ENGINE_FLAGS)
     ap.add_argument("--prompts-file", help="JSONL input")
     ap.add_argument("--output", help="JSONL output (default: print)")
-    ap.add_argument("--max-tokens", type=int, default=32, help="max_tokens for the built-in demo prompts")
+    ap.add_argument("--max-tokens", type=int, help=f"max_tokens of the built-in demo prompts (default {DEMO_MAX_TOKENS}) "
+                                                   "and of the --prompts-file lines that give none")
     return ap
 
 
@@ -83,12 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         items: list[dict] | None = None
+        if args.output:
+            check_output(args.output)
         if args.prompts_file:
             prompts, items, linenos = read_requests(args.prompts_file)
+            if args.max_tokens is not None:
+                items = [{"max_tokens": args.max_tokens, **item} for item in items]
         else:
             prompts, linenos = DEMO_PROMPTS + DEMO_PROMPTS, []
-            params = ([rtp.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(DEMO_PROMPTS)
-                      + [rtp.SamplingParams(max_tokens=args.max_tokens, temperature=DEMO_TEMPERATURE, top_p=DEMO_TOP_P,
+            max_tokens = DEMO_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+            params = ([rtp.SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(DEMO_PROMPTS)
+                      + [rtp.SamplingParams(max_tokens=max_tokens, temperature=DEMO_TEMPERATURE, top_p=DEMO_TOP_P,
                                            seed=DEMO_SEED)] * len(DEMO_PROMPTS))
         rtp.init(load_config_from_args(args, ENGINE_FLAGS))  # worker ranks serve inside init() and exit there
         if items is not None:
@@ -109,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         rtp.shutdown()
     lines = [json.dumps(_output_line(o)) for o in outputs]
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in lines))
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write("".join(line + "\n" for line in lines))
+        except OSError as e:
+            return fail(RtpError(f"--output {args.output}: {e.strerror or e}"))
         print(f"wrote {len(lines)} completions to {args.output}")
     elif not args.prompts_file:
         settings = f"temperature {DEMO_TEMPERATURE}, top_p {DEMO_TOP_P}, seed {DEMO_SEED}"

@@ -49,11 +49,13 @@ def test_every_sample_and_the_prompt_logprobs_reach_the_output_file(tmp_path):
     path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     path.write_text(json.dumps({"prompt": "If music be the food of love", "n": 3, "seed": 5, "temperature": 1.0,
                                 "max_tokens": 6, "prompt_logprobs": 1, "logprobs": 1}) + "\n"
-                    + json.dumps({"prompt": "Now is the winter", "max_tokens": 4}) + "\n")
-    proc = subprocess.run([sys.executable, "launch/generate.py", "--prompts-file", str(path), "--output", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=280)
+                    + json.dumps({"prompt": "Now is the winter", "max_tokens": 4}) + "\n"
+                    + json.dumps({"prompt": "To be", "ignore_eos": True}) + "\n")  # --max-tokens: its max_tokens
+    proc = subprocess.run([sys.executable, "launch/generate.py", "--prompts-file", str(path), "--output", str(out),
+                           "--max-tokens", "3"], cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr
-    first, second = [json.loads(line) for line in out.read_text().splitlines()]
+    first, second, third = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(second["token_ids"]) <= 4 and len(third["token_ids"]) == 3
     samples = first["outputs"]
     assert [s["index"] for s in samples] == [0, 1, 2]
     assert all(len(s["token_ids"]) == 6 and len(s["logprobs"]) == 6 for s in samples)

@@ -113,8 +113,18 @@ def test_rtp_generate_takes_the_rank_count_from_the_config(tmp_path, hf):
 def test_bad_flags_and_configs_fail_before_any_rank_starts(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("block_size: -3\n")
+    prompts, binary = tmp_path / "p.jsonl", tmp_path / "b.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    binary.write_bytes(b"\xff\xfe{}\n")
     for args, words in ((["serve", "--no-such-flag"], "unrecognized arguments"),
                         (["generate", "--config", str(bad)], "block_size"),
+                        (["generate", "--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
+                        (["generate", "--prompts-file", str(tmp_path / "missing.jsonl")], "No such file"),
+                        (["generate", "--prompts-file", str(tmp_path)], "cannot read the prompts file"),
+                        (["generate", "--prompts-file", str(binary)], "cannot read the prompts file"),
+                        (["generate", "--prompts-file", str(prompts), "--output", str(tmp_path / "no" / "o.jsonl")],
+                         "cannot write a file into"),
+                        (["generate", "--prompts-file", str(prompts), "--output", str(tmp_path)], "is a directory"),
                         (["frobnicate"], "unknown command")):
         proc = subprocess.run([*rtp_cmd(), *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert proc.returncode in (1, 2) and words in proc.stderr, proc.stderr
