@@ -496,6 +496,12 @@ def test_replace_settings_keeps_what_is_not_overridden() -> None:
     ("{method: ngram, num_speculative_tokens: 2, prompt_lookup_min: 0}", "speculative_config.prompt_lookup_min=0"),
     ("{method: ngram, num_speculative_tokens: 2, min_acceptance_rate: 1.5}", "min_acceptance_rate=1.5 is invalid"),
     ("{method: ngram, num_speculative_tokens: 2, lookahead: 3}", "unknown key 'speculative_config.lookahead'"),
+    ("{num_speculative_tokens: 2}", "method=None is invalid: expected one of ngram, draft_model, "
+     "eagle3 with speculative_config.num_speculative_tokens=2"),
+    ("{model: /some/head}", "method=None is invalid: expected one of ngram, draft_model, eagle3 with "
+     "speculative_config.model='/some/head'"),
+    ("{method: ngram, num_speculative_tokens: 2, model: /some/head}", "speculative_config.model='/some/head' is "
+     "invalid: expected None with speculative_config.method='ngram'"),
 ])
 def test_speculative_config_errors_name_the_key(tmp_path: Path, spec: str, words: str) -> None:
     path = tmp_path / "c.yaml"

@@ -298,8 +298,15 @@ class SpeculativeConfig(Section):
     @classmethod
     def joint_rule(cls, values: Mapping[str, Any], key_of: Callable[[str], str]) -> tuple[str, str] | None:
         method = values["method"]
-        if method is None:
+        if method is None:  # the method's own keys without one: refused rather than no speculation unsaid
+            given = [k for k in ("num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+                     if values[k] is not None]
+            if given:
+                return "method", (f"one of {', '.join(IMPLEMENTED_SPECULATIVE_METHODS)} with "
+                                  f"{key_of(given[0])}={values[given[0]]!r} (without a method nothing is speculated)")
             return None
+        if method == "ngram" and values["model"] is not None:
+            return "model", f"None with {key_of('method')}='ngram' (prompt lookup drafts from the context, no model)"
         if method not in IMPLEMENTED_SPECULATIVE_METHODS:
             return "method", ("one of " + ", ".join(IMPLEMENTED_SPECULATIVE_METHODS)
                               + f" ('{method}' is not implemented yet)")
