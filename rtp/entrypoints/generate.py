@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(ap, ENGINE_FLAGS)
     ap.add_argument("--prompts-file", help="JSONL input")
     ap.add_argument("--output", help="JSONL output (default: print)")
-    ap.add_argument("--max-tokens", type=int, help=f"max_tokens of the built-in demo prompts (default {DEMO_MAX_TOKENS}) "
-                                                   "and of the --prompts-file lines that give none")
+    ap.add_argument("--max-tokens", type=int,
+                    help=f"max_tokens of the built-in demo prompts (default {DEMO_MAX_TOKENS}) and of the "
+                         "--prompts-file lines that give none")
     return ap
 
 

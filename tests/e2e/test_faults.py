@@ -250,6 +250,27 @@ def test_two_runs_side_by_side(tmp_path):
     assert outs[0] == outs[1] and outs[0].count("\n") == 2 * len(DEMO_PROMPTS)
 
 
+def test_init_after_shutdown_of_a_multi_rank_job_is_refused_not_hung(tmp_path):
+    """The worker ranks exit at shutdown(): a second init() would wait for them forever; it says so at once."""
+    script = tmp_path / "reinit.py"
+    script.write_text(
+        "import rtp\n"
+        f"kw = dict(model={str(default_model_dir())!r}, dtype='float32')\n"
+        f"rtp.init({str(REPO / 'configs' / 'cpu.yaml')!r}, **kw)\n"
+        "rtp.generate(['a'], rtp.SamplingParams(max_tokens=2), use_tqdm=False)\n"
+        "rtp.shutdown()\n"
+        "try:\n"
+        f"    rtp.init({str(REPO / 'configs' / 'cpu.yaml')!r}, **kw)\n"
+        "except rtp.RtpError as e:\n"
+        "    print('refused:', e)\n")
+    run = Run(2, str(script))
+    try:
+        rc = run.wait(timeout=120)
+    finally:
+        run.kill()
+    assert rc == 0 and "refused: rtp.init() after rtp.shutdown() of a 2-rank job" in run.output, run.output[-3000:]
+
+
 @pytest.mark.parametrize(
     "nproc, args, words",
     [
