@@ -14,10 +14,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
-from rtp.config import RtpConfig, default_config_path, load_config, replace_settings
-from rtp.errors import ConfigError, RtpError
+from rtp.config import RtpConfig, checkpoint_dir, default_config_path, load_config, replace_settings
+from rtp.errors import RtpError
 from rtp.outputs import CompletionOutput, Logprob, RequestOutput
 from rtp.sampling import SamplingParams
 
@@ -50,7 +49,6 @@ def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # n
 def _init(config: RtpConfig | str | os.PathLike | None, overrides: dict):  # noqa: ANN202 - Runtime
     """Start this rank; every replica's coordinator gets its Runtime (the server drives each one itself)."""
     global _current
-    from rtp.assets import trained_model_dir
     from rtp.runtime.onednn_caches import bound_onednn_caches
     from rtp.runtime.startup import start
 
@@ -65,13 +63,7 @@ def _init(config: RtpConfig | str | os.PathLike | None, overrides: dict):  # noq
         config = load_config(config if config is not None else default_config_path(), **overrides)
     elif overrides:
         config = replace_settings(config, **overrides)
-    model_dir = Path(config.model.path) if config.model.path else trained_model_dir()
-    if not (model_dir / "config.json").is_file():
-        raise ConfigError(
-            f"model={str(model_dir)!r} is not a Hugging Face checkpoint folder (no config.json there); "
-            "give a local folder: rtp never downloads from a model hub"
-        )
-    _current = start(config, model_dir)
+    _current = start(config, checkpoint_dir(config))
     return _current
 
 

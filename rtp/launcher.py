@@ -37,10 +37,12 @@ def _usage() -> str:
 
 def ranks_to_start(module: str, args: argparse.Namespace) -> int:
     """Check the command's flags and config as its ranks will (ConfigError naming the flag); the rank count."""
+    from rtp.config import checkpoint_dir
     from rtp.entrypoints.flags import ENGINE_FLAGS, SERVER_FLAGS, load_config_from_args
 
     flags = ENGINE_FLAGS + (SERVER_FLAGS if module == COMMANDS["serve"] else ())
     config = load_config_from_args(args, flags)
+    checkpoint_dir(config)  # a folder without a checkpoint fails here, not in every rank
     nproc, tp = args.nproc_per_node, args.parallel__tensor_parallel_size
     pp, dp = config.parallel.pipeline_parallel_size, config.parallel.data_parallel_size
     if pp > 1 and dp > 1:

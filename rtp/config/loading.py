@@ -246,3 +246,17 @@ def resolve_tp_size(config: RtpConfig, world_size: int) -> int:
             f"or change tensor_parallel_size to {world_size // split} (or null)"
         )
     return tp
+
+
+def checkpoint_dir(config: RtpConfig) -> Path:
+    """The checkpoint folder ``config`` names (the shipped trained model where it names none); ConfigError where
+    it holds no config.json."""
+    from rtp.assets import trained_model_dir
+
+    path = Path(config.model.path) if config.model.path else trained_model_dir()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model={str(path)!r} is not a Hugging Face checkpoint folder (no config.json there); "
+            "give a local folder: rtp never downloads from a model hub"
+        )
+    return path

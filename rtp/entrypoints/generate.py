@@ -84,9 +84,12 @@ def check_output(path: str) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """What ``rtp generate`` checks before it starts the ranks: the prompts file reads, the output can be written."""
+    """What ``rtp generate`` checks before it starts the ranks: the prompts file reads, --max-tokens is valid, the
+    output can be written."""
     if args.prompts_file:
         read_requests(args.prompts_file)
+    if args.max_tokens is not None:
+        rtp.SamplingParams(max_tokens=args.max_tokens)  # RequestError naming max_tokens
     if args.output:
         check_output(args.output)
 

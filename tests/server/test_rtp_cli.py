@@ -119,6 +119,8 @@ def test_bad_flags_and_configs_fail_before_any_rank_starts(tmp_path):
     for args, words in ((["serve", "--no-such-flag"], "unrecognized arguments"),
                         (["generate", "--config", str(bad)], "block_size"),
                         (["generate", "--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
+                        (["generate", "--max-tokens", "0"], "max_tokens=0 is invalid"),
+                        (["generate", "--model", str(tmp_path)], "is not a Hugging Face checkpoint folder"),
                         (["generate", "--prompts-file", str(tmp_path / "missing.jsonl")], "No such file"),
                         (["generate", "--prompts-file", str(tmp_path)], "cannot read the prompts file"),
                         (["generate", "--prompts-file", str(binary)], "cannot read the prompts file"),
