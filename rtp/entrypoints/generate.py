@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         items: list[dict] | None = None
-        if args.output:
+        if args.output and int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes it (other nodes may lack it)
             check_output(args.output)
         if args.prompts_file:
             prompts, items, linenos = read_requests(args.prompts_file)
