@@ -24,7 +24,7 @@ __all__ = ["init", "generate", "generate_stream", "default_sampling_params", "sh
            "RequestOutput", "CompletionOutput", "Logprob", "RtpError"]
 
 _current = None  # the Runtime returned by init(), until shutdown()
-_workers_gone = 0  # ranks of the world a shutdown() ended in this process: its workers have exited
+_shut_down = False  # a shutdown() ended a runtime in this process: under torchrun its worker ranks have exited
 
 
 def init(config: RtpConfig | str | os.PathLike | None = None, **overrides):  # noqa: ANN201 - Runtime
@@ -56,8 +56,9 @@ def _init(config: RtpConfig | str | os.PathLike | None, overrides: dict):  # noq
 
     if _current is not None:
         raise RtpError("rtp.init() was already called; call rtp.shutdown() first")
-    if _workers_gone > 1:  # a second world would wait for them forever
-        raise RtpError(f"rtp.init() after rtp.shutdown() of a {_workers_gone}-rank job: its other ranks have "
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
+    if _shut_down and world > 1:  # a second world would wait for them forever
+        raise RtpError(f"rtp.init() after rtp.shutdown() of a {world}-rank job: its other ranks have "
                        "exited; start a new torchrun job (or keep the first runtime for every batch)")
     if not isinstance(config, RtpConfig):
         config = load_config(config if config is not None else default_config_path(), **overrides)
@@ -95,8 +96,7 @@ def default_sampling_params(**fields) -> SamplingParams:  # noqa: ANN003
 
 def shutdown() -> None:
     """Stop the workers and release everything. Safe to call twice."""
-    global _current, _workers_gone
+    global _current, _shut_down
     if _current is not None:
         _current.shutdown()
-        _workers_gone = max(_workers_gone, int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's, every rank
-        _current = None
+        _current, _shut_down = None, True
