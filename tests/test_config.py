@@ -165,7 +165,7 @@ BAD_CONFIGS: list[tuple[str, str, str, list[str]]] = [
     ("int-host", "server:\n  host: 0", "server.host=0", ["host name or IP address"]),
     ("server-not-mapping", "server: 5", "server=5", ["mapping", "max_tokens_limit"]),
     ("device", "device: tpu", "device='tpu'", ["auto", "cpu", "cuda"]),
-    ("dtype", "dtype: fp16", "dtype='fp16'", ["float32", "bfloat16", "float16"]),
+    ("dtype", "dtype: f16", "dtype='f16'", ["float32", "bfloat16", "float16"]),
     ("log-level", "log_level: VERBOSE", "log_level='VERBOSE'", ["DEBUG", "INFO", "WARNING", "ERROR"]),
     (
         "default-over-limit",
@@ -243,6 +243,19 @@ def test_normalisation(tmp_path: Path) -> None:
     assert isinstance(config.liveness.timeout_s, float)
     assert config.log_level == "DEBUG"
     assert load_config(model=tmp_path).model.path == str(tmp_path)  # a PathLike becomes a str
+
+
+@pytest.mark.parametrize(("key", "alias", "stored"), [
+    ("dtype", "half", "float16"), ("dtype", "fp16", "float16"), ("dtype", "bf16", "bfloat16"),
+    ("dtype", "float", "float32"), ("dtype", "fp32", "float32"),
+    ("kv_cache_dtype", "fp8", "fp8_e4m3"), ("generation_config", "vllm", "none")])
+def test_vllm_spellings_are_taken_from_yaml_and_keyword_overrides(tmp_path: Path, key: str, alias: str,
+                                                                    stored: str) -> None:
+    section = "cache" if key == "kv_cache_dtype" else "model"
+    for config in (load_config(write(tmp_path, f"{key}: {alias}\n")), load_config(**{key: alias})):
+        assert getattr(getattr(config, section), key) == stored
+    with pytest.raises(ConfigError, match=f"{key}='{alias.upper()}' is invalid"):
+        load_config(**{key: alias.upper()})  # aliases are exact spellings, like the choices
 
 
 def test_liveness_defaults_catch_a_hung_rank_within_ten_seconds_on_cpu() -> None:

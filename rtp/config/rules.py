@@ -28,6 +28,7 @@ class Rule:
     nullable: bool = False
     choices: tuple[str, ...] = ()
     fold_case: bool = False  # compare choices case-insensitively and store the canonical spelling
+    aliases: tuple[tuple[str, str], ...] = ()  # (other spelling, choice): vLLM's names for the same value
 
 
 def integer(lo: int, hi: int | None = None, nullable: bool = False) -> Rule:
@@ -53,13 +54,16 @@ def text(allowed: str, nullable: bool = False) -> Rule:
     return Rule("str", allowed + (" or null" if nullable else ""), nullable=nullable)
 
 
-def choice(*choices: str, fold_case: bool = False, nullable: bool = False) -> Rule:
-    """One of ``choices``; with ``fold_case`` any case, stored in the spelling given here."""
+def choice(*choices: str, fold_case: bool = False, nullable: bool = False,
+           aliases: dict[str, str] | None = None) -> Rule:
+    """One of ``choices``; with ``fold_case`` any case, stored in the spelling given here; ``aliases`` maps
+    other accepted spellings to the choice they stand for."""
     if nullable:
         allowed = ("one of " if len(choices) > 1 else "") + ", ".join(choices) + " or null"
     else:
         allowed = "one of " + ", ".join(choices)
-    return Rule("choice", allowed, choices=choices, nullable=nullable, fold_case=fold_case)
+    return Rule("choice", allowed, choices=choices, nullable=nullable, fold_case=fold_case,
+                aliases=tuple((aliases or {}).items()))
 
 
 BOOL = Rule("bool", "true or false")
@@ -150,6 +154,7 @@ def check_value(rule: Rule, key: str, value: Any, source: str) -> Any:
         if not isinstance(value, str):
             raise invalid(source, key, value, rule.allowed, got_type=True)
         lookup = {(c.upper() if rule.fold_case else c): c for c in rule.choices}
+        value = dict(rule.aliases).get(value, value)
         canonical = lookup.get(value.upper() if rule.fold_case else value)
         if canonical is None:
             raise invalid(source, key, value, rule.allowed)

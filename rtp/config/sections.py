@@ -69,9 +69,10 @@ class ModelConfig(Section):
 
     path: str | None = setting(None, text("a checkpoint folder path", nullable=True), flat="model")
     """Hugging Face checkpoint folder; None means the small trained Qwen3 shipped in ``rtp/assets``."""
-    dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"))
+    dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16", aliases={
+        "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}))
     """"auto" (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else float32), "float32", "bfloat16",
-    "float16"."""
+    "float16" (vLLM's "half", "fp16", "float", "fp32", "bf16" are accepted and stored as these)."""
     quantization: str | None = setting(None, choice("int8", nullable=True))
     """"int8": int8 attention and MLP projections and LM head, per-output-channel scales computed at load
     from a float (or FP8/AWQ) checkpoint; for CPU decode, which reads 4x fewer weight bytes than in fp32
@@ -94,10 +95,10 @@ class ModelConfig(Section):
     (as vLLM's batch-invariant mode). CPU, float32 or bfloat16 weights (no int8); decode steps took 1.19x (fp32)
     and 1.12-1.26x (bf16) as long at Qwen3-0.6B's dimensions with 8 requests (on an AVX-512 host, before the
     varlen kernel took decode rows in 2-row tiles)."""
-    generation_config: str = setting("auto", choice("auto", "none"))
+    generation_config: str = setting("auto", choice("auto", "none", aliases={"vllm": "none"}))
     """"auto": the checkpoint's generation_config.json sampling settings (temperature, top_p, top_k, min_p,
     repetition_penalty, max_new_tokens as max_tokens) become the defaults of requests that leave them unset,
-    as vLLM does; "none": rtp's own defaults (temperature 1.0, no top-p/top-k/min-p)."""
+    as vLLM does; "none" (or vLLM's "vllm"): rtp's own defaults (temperature 1.0, no top-p/top-k/min-p)."""
 
 
 @dataclass(frozen=True)
@@ -169,11 +170,11 @@ class CacheConfig(Section):
     """Fixed number of KV blocks per rank (>= 1), overriding the memory-based sizing."""
     cpu_kv_cache_gib: float = setting(1.0, number("a number > 0", lambda v: v > 0.0))
     """KV cache size per rank on CPU, in GiB, > 0."""
-    kv_cache_dtype: str = setting("auto", choice("auto", "fp8_e4m3"))
-    """"auto": the KV cache in the model's compute dtype; "fp8_e4m3": float8_e4m3fn with per-layer k/v scales
-    (the checkpoint's ``self_attn.k_scale`` / ``v_scale``, else 1.0), one byte per element, so the same memory
-    holds twice the blocks of a bf16 cache. On CUDA it is read by the Triton attention (not flash-attn 2), on
-    CPU by the torch path (not the C++ kernels)."""
+    kv_cache_dtype: str = setting("auto", choice("auto", "fp8_e4m3", aliases={"fp8": "fp8_e4m3"}))
+    """"auto": the KV cache in the model's compute dtype; "fp8_e4m3" (or vLLM's "fp8"): float8_e4m3fn with
+    per-layer k/v scales (the checkpoint's ``self_attn.k_scale`` / ``v_scale``, else 1.0), one byte per
+    element, so the same memory holds twice the blocks of a bf16 cache. On CUDA it is read by the Triton
+    attention (not flash-attn 2), on CPU by the torch path (not the C++ kernels)."""
 
 
 @dataclass(frozen=True)

@@ -43,21 +43,6 @@ class Flag:
     metavar: str | None = None
 
 
-# vLLM's spellings of dtype values, mapped to rtp's.
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def _dtype(value: str) -> str:
-    return _DTYPE_ALIASES.get(value, value)
-
-
-def _generation_config(value: str) -> str:
-    return "none" if value == "vllm" else value  # vLLM's "vllm": its own defaults, not the checkpoint's
-
-
-def _kv_cache_dtype(value: str) -> str:
-    return "fp8_e4m3" if value == "fp8" else value  # vLLM's "fp8" is e4m3 on CUDA
-
 
 def _json_mapping(value: str) -> dict[str, Any]:
     """A JSON object given on the command line (``--speculative-config '{"method": "ngram", ...}'``)."""
@@ -86,7 +71,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("parallel.pipeline_steps_in_flight", ("--pipeline-steps-in-flight",), int,
          "steps in flight with pipeline stages, over disjoint requests (default: the stage count; 1: one at a time)"),
     Flag("parallel.device", ("--device",), str, "auto (cuda when available), cpu or cuda", ("auto", "cpu", "cuda")),
-    Flag("model.dtype", ("--dtype",), _dtype, "auto (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else "
+    Flag("model.dtype", ("--dtype",), str, "auto (bfloat16 on cuda and on CPUs with AVX-512 BF16 or AMX, else "
          "float32), float32, bfloat16, float16 (vLLM's half, float, bf16 accepted)",
          metavar="{auto,float32,bfloat16,float16}"),
     Flag("model.quantization", ("--quantization",), str,
@@ -103,7 +88,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("cache.num_kv_blocks", ("--num-gpu-blocks-override", "--num-kv-blocks"), int,
          "fixed number of KV blocks per rank instead of the memory-based sizing"),
     Flag("cache.cpu_kv_cache_gib", ("--cpu-kv-cache-gib",), float, "KV cache per rank on CPU, in GiB"),
-    Flag("cache.kv_cache_dtype", ("--kv-cache-dtype",), _kv_cache_dtype,
+    Flag("cache.kv_cache_dtype", ("--kv-cache-dtype",), str,
          "auto (the model's dtype) or fp8_e4m3 (one byte per element, per-layer scales; vLLM's fp8 accepted)",
          metavar="{auto,fp8_e4m3}"),
     Flag("model.enforce_eager", ("--enforce-eager",), None, "no CUDA graphs"),
@@ -115,7 +100,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("liveness.timeout_s", ("--liveness-timeout-s",), float, "seconds without a heartbeat before a rank is hung"),
     Flag("liveness.step_timeout_s", ("--step-timeout-s",), float,
          "seconds one step may run before it is reported stuck"),
-    Flag("model.generation_config", ("--generation-config",), _generation_config,
+    Flag("model.generation_config", ("--generation-config",), str,
          "auto: the checkpoint's generation_config.json sampling settings are request defaults; none (vLLM's "
          "vllm accepted): rtp's", metavar="{auto,none}"),
     Flag("model.seed", ("--seed",), int, "seed of the default random generator"),
