@@ -235,9 +235,14 @@ class ResponseBuilder:
             return None
         choice = {"index": self.index, "delta": {"role": "assistant", "content": self.echo or ""}, "logprobs": None,
                   "finish_reason": None}
-        body = self._envelope("chat.completion.chunk", [choice])
+        return self._chunk(choice, 0)
+
+    def _chunk(self, choice: dict[str, Any], completion: int) -> dict[str, Any]:
+        """A stream chunk of one choice, with ``completion`` generated tokens as its usage where every chunk has
+        one."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
         if self.continuous_usage:
-            body["usage"] = self.counts(0)
+            body["usage"] = self.counts(completion)
         return body
 
     def chunk(self, out: RequestOutput | CompletionOutput, start: int,
@@ -249,12 +254,7 @@ class ResponseBuilder:
         request = request if request is not None else out  # type: ignore[assignment]
         assert isinstance(request, RequestOutput)
         if self.prompt_only:  # one chunk, once the engine's one token is made
-            if not out.finished:
-                return None
-            body = self._envelope("text_completion", [self._prompt_choice(request)])
-            if self.continuous_usage:
-                body["usage"] = self.counts(0)
-            return body
+            return self._chunk(self._prompt_choice(request), 0) if out.finished else None
         new_tokens = len(out.token_ids) > start
         logprobs = self._logprobs(out, start) if new_tokens else None
         echo_now = self.echo is not None and not self._echo_sent and not self.chat
@@ -278,10 +278,7 @@ class ResponseBuilder:
         choice["finish_reason"] = finish_reason if out.finished else None
         choice["stop_reason"] = out.stop_reason
         self._with_prompt(choice, request)
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
-        if self.continuous_usage:
-            body["usage"] = self.counts(len(out.token_ids))
-        return body
+        return self._chunk(choice, len(out.token_ids))
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
         """The last chunk of a stream with ``stream_options.include_usage``."""
