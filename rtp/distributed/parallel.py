@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from rtp.distributed.shm_allreduce import ShmAllReduce
 from rtp.distributed.step_relay import new_relay_group
-from rtp.errors import ConfigError
+from rtp.errors import ConfigError, RtpError
 from rtp.log import get_logger
 
 logger = get_logger(__name__)
@@ -343,6 +343,25 @@ class ParallelState:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
+
+    def raise_any(self, error: Exception | None, doing: str) -> None:
+        """Every rank raises when any rank failed ``doing`` (``error``: this rank's failure, or None).
+
+        For start-up work whose errors are not the same on every rank (pipeline stages each check only their
+        own layers' tensors): the failing rank raises its own error, the others an RtpError naming that rank and
+        its message, so the rank that reports (rank 0) says why, and no rank is left waiting in a collective.
+        """
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        messages: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(messages, None if error is None else str(error), group=self.cpu_group)
+        if error is not None:
+            raise error
+        failed = next(((r, m) for r, m in enumerate(messages) if m is not None), None)
+        if failed is not None:
+            raise RtpError(f"rank {failed[0]} failed {doing}: {failed[1]}")
 
     def barrier(self) -> None:
         """Wait for every rank (control group)."""

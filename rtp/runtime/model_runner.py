@@ -222,7 +222,12 @@ def load_model(
             model = Qwen3MoeForCausalLM(spec, ps, hf_config, positions, expert_parallel, quant, layers)
         else:
             model = Qwen3ForCausalLM(spec, ps, hf_config, positions, quant, layers)
-    report = load_weights(model, model_dir, show_progress=ps.rank == 0)
+    error = None
+    try:
+        report = load_weights(model, model_dir, show_progress=ps.rank == 0)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below, then raises
+        error = e
+    ps.raise_any(error, "loading its share of the checkpoint")  # a stage checks only its own layers' tensors
     model.gather_tied_head()  # pipeline stages: rank 0's whole tied head from the embedding's shards
     if quant is not None:
         how = "kept packed for its GPU kernels" if quant.packs_on(ps.device) else f"dequantized to {dtype} at load"

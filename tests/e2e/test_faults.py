@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors.torch import load_file, save_file
 
 from rtp.distributed.liveness import pid_alive
 from rtp.entrypoints.generate import DEMO_PROMPTS
-from rtp.testing import default_model_dir
+from rtp.testing import default_model_dir, make_tiny_qwen3
 from tests.utils import REPO, rank_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -279,6 +280,8 @@ def test_init_after_shutdown_of_a_multi_rank_job_is_refused_not_hung(tmp_path):
         (2, ["--config", "{bad_key}"], ["blok_size", "block_size"]),
         (2, ["--config", "{bad_value}"], ["max_num_seqs", "-1"]),
         (2, ["--model", "/nonexistent/model"], ["/nonexistent/model"]),
+        # a tensor only the last pipeline stage loads: rank 0 (the first stage) names it
+        (2, ["--model", "{stage_bad}", "-pp", "2"], ["rank 1", "missing", "model.layers.1.mlp.down_proj.weight"]),
     ],
 )
 def test_bad_setup_gives_one_clear_error_and_every_rank_fails(tmp_path, nproc, args, words):
@@ -286,6 +289,12 @@ def test_bad_setup_gives_one_clear_error_and_every_rank_fails(tmp_path, nproc, a
     (tmp_path / "bad_key.yaml").write_text("blok_size: 16\n")
     (tmp_path / "bad_value.yaml").write_text("max_num_seqs: -1\n")
     files = {name: tmp_path / f"{name}.yaml" for name in ("tp1", "bad_key", "bad_value")}
+    if "{stage_bad}" in args:
+        files["stage_bad"] = make_tiny_qwen3(tmp_path / "stage_bad")  # two layers, one a stage
+        weights = tmp_path / "stage_bad" / "model.safetensors"
+        tensors = load_file(weights)
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+        save_file(tensors, weights)
     args = [a.format(**files) for a in args]
     run = Run(nproc, "launch/generate.py", "--max-tokens", "4", *args)
     try:
