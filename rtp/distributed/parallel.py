@@ -351,7 +351,7 @@ class ParallelState:
         own layers' tensors): the failing rank raises its own error, the others an RtpError naming that rank and
         its message, so the rank that reports (rank 0) says why, and no rank is left waiting in a collective.
         """
-        if self.world_size == 1:
+        if self.world_size == 1 or self.cpu_group is None:  # alone, or a view without process groups (checks)
             if error is not None:
                 raise error
             return

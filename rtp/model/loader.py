@@ -90,7 +90,7 @@ def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progres
     required = model.checkpoint_shapes()
     optional = model.optional_checkpoint_shapes()
     expected = required | optional
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # tensor name -> the file it was loaded from
     report = LoadReport()
     files = checkpoint_files(model_dir)
     sizes = {path: tensor_bytes(path) for path in files}
@@ -103,8 +103,8 @@ def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progres
         for path in files:
             _load_file(model, path, sizes[path], params, expected, seen, report, bar, on_progress)
     report.seconds = time.perf_counter() - start
-    report.kv_scales = len(seen & optional.keys())
-    missing = sorted(set(required) - seen)
+    report.kv_scales = len(seen.keys() & optional.keys())
+    missing = sorted(required.keys() - seen.keys())
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
@@ -116,7 +116,7 @@ def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progres
 
 
 def _load_file(model: Qwen3ForCausalLM, path: Path, sizes: dict[str, int], params: dict[str, torch.Tensor],
-               expected: dict[str, list[int]], seen: set[str], report: LoadReport, bar: tqdm,
+               expected: dict[str, list[int]], seen: dict[str, str], report: LoadReport, bar: tqdm,
                on_progress: Callable[[int], None] | None) -> None:
     """Load this rank's slices of one file's tensors (see :func:`load_weights`)."""
     with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -134,10 +134,12 @@ def _load_file(model: Qwen3ForCausalLM, path: Path, sizes: dict[str, int], param
 
 
 def _load_tensor(model: Qwen3ForCausalLM, f: Any, path: Path, name: str, params: dict[str, torch.Tensor],
-                 expected: dict[str, list[int]], seen: set[str], report: LoadReport) -> None:
+                 expected: dict[str, list[int]], seen: dict[str, str], report: LoadReport) -> None:
     """Check one tensor's name and full shape, then copy this rank's slice of it into its parameter."""
     if name not in expected:
         raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: not part of a Qwen3 model")
+    if name in seen:  # loading it twice would overwrite it, or multiply an FP8 scale in twice
+        raise CheckpointError(f"tensor {name!r} is stored twice: in {seen[name]} and in {path.name}")
     source = f.get_slice(name)
     if not _shape_fits(list(source.get_shape()), expected[name]):
         raise CheckpointError(
@@ -154,7 +156,7 @@ def _load_tensor(model: Qwen3ForCausalLM, f: Any, path: Path, name: str, params:
         raise CheckpointError(f"tensor {name!r}: {e}") from None
     report.tensors += 1
     report.bytes_read += counted.bytes_read
-    seen.add(name)
+    seen[name] = path.name
 
 
 def _shape_fits(shape: list[int], expected: list[int]) -> bool:

@@ -78,6 +78,21 @@ def test_wrong_shape_is_named(tiny, tmp_path):
         load_model(path, ParallelState.single(), torch.float32)
 
 
+def test_a_tensor_stored_twice_is_named(tiny, tmp_path):
+    # an FP8 weight or scale loaded twice is multiplied in twice; a float one overwritten: either way, refused
+    path = rewrite_checkpoint(tiny, tmp_path / "m", lambda t: None)
+    save_file({"model.layers.1.mlp.up_proj.weight": load_file(str(tiny / "model.safetensors"))[
+        "model.layers.1.mlp.up_proj.weight"]}, str(path / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' is stored twice"):
+        load_model(path, ParallelState.single(), torch.float32)
+
+
+def test_one_ranks_share_loads_without_process_groups(tiny):
+    # scripts/check_checkpoint.py: rank 1 of 2 checks its slice alone, with no other rank to agree with
+    _, report = load_model(tiny, fake_world(2, rank=1), torch.float32)
+    assert report.tensors > 0 and 0 < report.bytes_read < report.checkpoint_bytes
+
+
 def test_missing_shard_file_is_reported(tmp_path):
     path = make_tiny_qwen3(tmp_path / "m", TinyQwen3Spec(num_shards=2))
     index = json.loads((path / "model.safetensors.index.json").read_text())
