@@ -25,6 +25,11 @@ class CheckpointError(RtpError):
 class RequestError(RtpError, ValueError):
     """A request can never be served (bad sampling parameters, prompt too long, ...)."""
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        """The request field at fault where the message's own words do not name it (an HTTP error's param)."""
+
 
 class WorkerDiedError(RtpError):
     """A rank exited, stopped responding, or lost its launcher; the runtime cannot continue."""

@@ -28,6 +28,7 @@ from rtp.log import get_logger
 from rtp.outputs import RequestOutput, delta, join_deltas, merge
 from rtp.sampling import SamplingParams
 from rtp.server.activity import ActivityLog
+from rtp.server.router import check_pin
 
 logger = get_logger(__name__)
 
@@ -264,8 +265,7 @@ class AsyncEngine:
         queued in either case. Must be called from a running event loop.
         ``replica`` (a data-parallel pin) may only be None or 0 here: one engine.
         """
-        if replica not in (None, 0):
-            raise RequestError(f"data_parallel_rank={replica} is out of range: this server has one replica (0)")
+        check_pin(replica, 1)
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         if self._stop.is_set():

@@ -44,7 +44,7 @@ from rtp.server.frontend_wire import (
     encode_abort,
     frame,
 )
-from rtp.server.router import PrefixRouter
+from rtp.server.router import PrefixRouter, check_pin
 from rtp.structured import GrammarSpec
 
 logger = get_logger(__name__)
@@ -187,9 +187,8 @@ class EngineClient:
             raise RequestError("a constraint needs its grammar spec to reach the engine process")
         if self.router is not None:
             conn = self.conns[self.router.choose(ids, [c.in_flight for c in self.conns], replica)]
-        elif replica not in (None, 0):
-            raise RequestError(f"data_parallel_rank={replica} is out of range: this server has one replica (0)")
         else:
+            check_pin(replica, 1)
             conn = self.conns[0]
         handle = self._next_handle
         self._next_handle = (self._next_handle + 1) & 0xFFFFFFFF

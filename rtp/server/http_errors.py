@@ -38,7 +38,7 @@ def runtime_error(e: Exception, prompt_param: str) -> ApiError:
         return e
     if isinstance(e, RequestError):
         m = re.match(r"SamplingParams\.(\w+)=", str(e))
-        return ApiError(400, str(e), m.group(1) if m else prompt_param)
+        return ApiError(400, str(e), e.param or (m.group(1) if m else prompt_param))
     if isinstance(e, (EngineDeadError, ServerShuttingDownError)):
         return ApiError(503, str(e), type="server_error", code="service_unavailable")
     if isinstance(e, RtpError):

@@ -30,6 +30,14 @@ from rtp.core.block_manager import hash_block
 from rtp.errors import RequestError
 
 
+def check_pin(pinned: int | None, num_replicas: int) -> None:
+    """RequestError unless ``pinned`` (a request's data_parallel_rank) is None or one of the replicas."""
+    if pinned is not None and not 0 <= pinned < num_replicas:
+        which = "one replica (0)" if num_replicas == 1 else f"{num_replicas} replicas, 0..{num_replicas - 1}"
+        raise RequestError(f"data_parallel_rank={pinned} is out of range: this server has {which}",
+                           param="data_parallel_rank")
+
+
 class PrefixRouter:
     """Cache-aware, load-balanced choice among ``num_replicas`` replicas."""
 
@@ -62,9 +70,7 @@ class PrefixRouter:
         """The replica for a prompt (and its blocks remembered there); ``loads``: requests in flight per replica."""
         hashes = self.block_hashes(ids)
         if pinned is not None:
-            if not 0 <= pinned < self.num_replicas:
-                raise RequestError(f"data_parallel_rank={pinned} is out of range: this server has "
-                                   f"{self.num_replicas} replica(s), 0..{self.num_replicas - 1}")
+            check_pin(pinned, self.num_replicas)
             replica = pinned
         else:
             least = min(loads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rtp.errors import RequestError
+from rtp.server.http_errors import runtime_error
 from rtp.server.router import PrefixRouter, RoundRobinRouter
 
 
@@ -44,8 +45,10 @@ def test_capacity_evicts_the_oldest_blocks():
 def test_pins_win_and_are_checked():
     router = PrefixRouter(2, block_size=4, capacity_blocks=10)
     assert router.choose([1] * 8, [0, 9], pinned=1) == 1
-    with pytest.raises(RequestError, match="data_parallel_rank=2 is out of range"):
+    with pytest.raises(RequestError, match="data_parallel_rank=2 is out of range") as e:
         router.choose([1], [0, 0], pinned=2)
+    assert e.value.param == "data_parallel_rank"
+    assert runtime_error(e.value, "prompt").param == "data_parallel_rank"  # the HTTP error's field
     rr = RoundRobinRouter(3)
     assert [rr.choose([1], [0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
     assert rr.choose([1], [0, 0, 0], pinned=2) == 2

@@ -123,6 +123,8 @@ def test_pins_out_of_range_or_malformed_are_400(server: Server):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
                        headers={"X-Data-Parallel-Rank": pin}, timeout=30)
         assert r.status_code == 400 and ("data_parallel_rank" in r.text or "Data-Parallel" in r.text), r.text
+        if pin == "2":  # the field at fault, not the prompt
+            assert r.json()["error"]["param"] == "data_parallel_rank", r.text
     r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "data_parallel_rank": 1},
                    timeout=30)
     assert r.status_code == 200
