@@ -56,6 +56,8 @@ def ranks_to_start(module: str, args: argparse.Namespace) -> int:
         nproc = (config.parallel.tensor_parallel_size or 1) * split
     if nproc % dp:
         raise RtpError(f"--nproc-per-node {nproc} is not a multiple of --data-parallel-size {dp}")
+    if nproc % pp:
+        raise RtpError(f"--nproc-per-node {nproc} is not a multiple of --pipeline-parallel-size {pp}")
     local = config.parallel.data_parallel_size_local
     if local is not None and local != dp:
         raise RtpError(f"--data-parallel-size-local {local} and --data-parallel-size {dp} disagree: `rtp` starts one "

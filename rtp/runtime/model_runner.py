@@ -207,8 +207,10 @@ def load_model(
     """
     try:
         hf_config = AutoConfig.from_pretrained(str(model_dir))
-    except (OSError, ValueError) as e:  # an unreadable or malformed config.json (JSON errors are ValueErrors)
-        raise ConfigError(f"{model_dir}/config.json cannot be read as a Hugging Face config: {e}") from None
+    except Exception as e:  # noqa: BLE001 - unreadable, not JSON, or a field of the wrong kind (transformers then
+        # fails on it with an AttributeError or TypeError: "quantization_config": "fp8")
+        raise ConfigError(f"{model_dir}/config.json cannot be read as a Hugging Face config: "
+                          f"{type(e).__name__}: {e}") from None
     is_moe = getattr(hf_config, "model_type", None) == "qwen3_moe"
     spec = Qwen3MoeSpec.from_hf(hf_config) if is_moe else Qwen3Spec.from_hf(hf_config)
     quant = checkpoint_format(hf_config)  # FP8 blocks, AWQ, or None for a float checkpoint

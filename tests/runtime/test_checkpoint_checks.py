@@ -34,6 +34,11 @@ def test_max_model_len_past_the_models_positions_is_refused(tmp_path):
 
 def test_a_malformed_config_json_is_a_config_error_naming_it(tmp_path):
     folder = make_tiny_qwen3(tmp_path / "m", TinyQwen3Spec(max_position_embeddings=64))
+    config = (folder / "config.json").read_text()
     (folder / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"m/config.json cannot be read as a Hugging Face config"):
+        _runner(folder, None)
+    # a field of the wrong kind, on which transformers itself fails with an AttributeError
+    (folder / "config.json").write_text(config.replace('"model_type"', '"quantization_config": "fp8", "model_type"'))
+    with pytest.raises(ConfigError, match=r"m/config.json cannot be read .*: AttributeError"):
         _runner(folder, None)

@@ -119,6 +119,7 @@ def test_bad_flags_and_configs_fail_before_any_rank_starts(tmp_path):
     for args, words in ((["serve", "--no-such-flag"], "unrecognized arguments"),
                         (["generate", "--config", str(bad)], "block_size"),
                         (["generate", "--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
+                        (["generate", "--nproc-per-node", "3", "-pp", "2"], "3 is not a multiple of --pipeline"),
                         (["generate", "--max-tokens", "0"], "max_tokens=0 is invalid"),
                         (["generate", "--model", str(tmp_path)], "is not a Hugging Face checkpoint folder"),
                         (["generate", "--prompts-file", str(tmp_path / "missing.jsonl")], "No such file"),
