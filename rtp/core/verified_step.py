@@ -54,6 +54,7 @@ def apply_verified_step(
         run = next(it) if needs_sample else None
         if draft:
             assert run is not None and 1 <= len(run) <= len(draft) + 1, (seq, draft, run)
+            assert not forks or seq.seq_id not in forks, f"{seq} forks at a verified step"  # postprocess forks
             verified.append((seq, n, len(draft), run))
             continue
         plain.seqs.append(seq)

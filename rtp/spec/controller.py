@@ -97,8 +97,11 @@ class SpecController:
         rooms: list[int] = []
         for seq in running:
             num_tokens = len(seq.token_ids)
-            if seq.num_computed_tokens != num_tokens - 1 or seq.needs_prompt_logits:
-                continue  # not decoding (a prefill chunk, a fork's tail)
+            if (seq.num_computed_tokens != num_tokens - 1 or num_tokens == seq.num_prompt_tokens
+                    or seq.needs_prompt_logits):
+                # Not decoding: a prefill chunk (a prompt's one-token last chunk included: it samples the first
+                # token, from which the other choices of n > 1 fork), a fork's tail.
+                continue
             # A step adds the accepted drafts and one more token: keep within the length limits.
             room = min(self.k, self.max_model_len - num_tokens - 1)
             max_tokens = seq.params.max_tokens

@@ -30,7 +30,8 @@ def test_drafts_only_for_decoding_sequences_and_within_the_length_limits():
     c = controller()
     prefill = decoding(2, LOOP)
     prefill.num_computed_tokens = 4
-    seqs = [decoding(1, LOOP), prefill, decoding(3, LOOP, max_tokens=len(LOOP) - 6 + 2),
+    last_chunk = decoding(6, LOOP, prompt=len(LOOP))  # the prompt's last token still to compute: no token yet
+    seqs = [decoding(1, LOOP), prefill, last_chunk, decoding(3, LOOP, max_tokens=len(LOOP) - 6 + 2),
             decoding(4, LOOP, max_tokens=len(LOOP) - 6 + 1), decoding(5, [1, 2, 3] * 21)]
     drafts = c.propose(seqs, yes)
     # seq 3 may add 2 tokens: 1 draft + the token after it; seq 4 only its next token; seq 5 (63 tokens) none.

@@ -125,6 +125,19 @@ def test_greedy_random_model_chunked_prefill_mixed_steps_and_preemption(tiny):
     assert [o.token_ids for o in run(plain, [(p, greedy) for p in prompts])] == want
 
 
+def test_n_choices_fork_from_a_prompts_one_token_last_chunk(trained):
+    # 33 tokens in a budget of 32: the last prefill chunk is one token, whose sample is every choice's first token
+    # and the point the other choices fork from; it was drafted for as if decoding, and the forks were lost (hang).
+    spec, plain = make_engine(trained, NGRAM, budget=32), make_engine(trained, budget=32)
+    prompt = [1832, 385, 2452] * 11
+    params = SamplingParams(temperature=0, max_tokens=8, n=2, ignore_eos=True)
+    got, want = run(spec, [(prompt, params)])[0], run(plain, [(prompt, params)])[0]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert [len(c.token_ids) for c in got.outputs] == [8, 8]
+    counts = ("num_prefills", "num_prefill_tokens_computed", "num_decode_tokens")
+    assert [spec.stats()[k] for k in counts] == [plain.stats()[k] for k in counts]
+
+
 def test_stops_inside_an_accepted_run_end_where_decoding_without_drafts_ends(plain_engine, spec_engine):
     prompt = prompts_of(plain_engine)[2]
     free = run(plain_engine, [(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))])[0]
