@@ -28,6 +28,11 @@ each other sample becomes a *fork*: it shares the prompt's full KV blocks
 block into a block of its own (fewer than ``block_size`` tokens, counted in
 ``num_fork_tail_tokens``, not as prefill; with ``recompute_last_hit``, a prompt
 that ends on a block boundary: its last block). Forks wait in their own queue.
+A waiting fork holds its shared blocks: when the KV blocks run out, the newest
+waiting forks give theirs up before any running sequence is preempted, and
+when nothing runs and the first fork cannot start, the newest forks give
+theirs up until it can; each such fork becomes a preempted sequence (it
+recomputes its prompt, or finds it in the prefix cache).
 
 Prompt logprobs: a sequence that wants them skips the prefix cache (every
 prompt position must be computed), at most ``max_prompt_logit_rows`` of its
@@ -319,6 +324,10 @@ class Scheduler:
                 else:
                     # (a decode: once every block_size steps) find room.
                     while (fit := bm.appendable_tokens(seq)) < 1:
+                        if self._forked:  # a waiting fork has done nothing of its own yet
+                            self._preempt(self._forked[-1])
+                            preempted = True
+                            continue
                         victim = self.running[-1] if not busy else next(s for s in reversed(self.running)
                                                                         if s.seq_id not in busy)
                         # Alone, a sequence always fits: it would have finished with "length" otherwise.
@@ -370,6 +379,11 @@ class Scheduler:
                 if n == 0:
                     break  # FCFS: it goes first next step
             if not (bm.can_append(seq, start + n) if cached is None else bm.can_allocate(cached, start + n)):
+                if queue is self._forked and not self.running:
+                    # Nothing runs to free blocks: the waiting forks hold them (their requests' other samples
+                    # ended). The newest gives its blocks up (the head last, then admitted as any sequence).
+                    self._preempt(queue[-1])
+                    continue
                 break  # FCFS: never skip the head of the queue
             queue.popleft()
             if cached is None:
@@ -435,9 +449,14 @@ class Scheduler:
         self.plans.release(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: drop the KV and requeue ``seq`` at the front."""
-        self.running.remove(seq)
-        self._release(seq)
+        """Preempt by recompute: drop the KV and requeue ``seq`` at the front (a running sequence, or a fork not
+        yet running, whose shared blocks the workers have not seen)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        else:
+            self._forked.remove(seq)
+            self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.is_fork = False  # from now on it recomputes everything, like any preempted sequence
         seq.status = SequenceStatus.WAITING

@@ -93,3 +93,55 @@ def test_prompt_logprob_chunks_are_listed_and_skip_the_prefix_cache() -> None:
     assert wants.num_cached_tokens == 0 and computed[0] == 0  # the cached prefix was not used
     # Every chunk up to the one holding position len - 2 is listed; none after.
     assert listed == [c < len(prompt) - 1 for c in computed]
+
+
+def _two_requests_with_forks(sched: Scheduler, world: World, parent_max: int, fork_max: int) -> list[Sequence]:
+    """Two 8-token prompts (two full blocks each), n = 2: both prefilled in one step, then forked."""
+    parents = [Sequence(i, list(range(10 * i + 1, 10 * i + 9)), SamplingParams(max_tokens=parent_max,
+                                                                                 ignore_eos=True)) for i in (0, 1)]
+    forks = [Sequence(i + 2, p.token_ids[:], SamplingParams(max_tokens=fork_max, ignore_eos=True))
+             for i, p in enumerate(parents)]
+    for p in parents:
+        sched.add(p)
+    result = sched.schedule()
+    world.apply(result)
+    assert result.seqs == parents
+    sched.postprocess(result, [100, 101], {0: [(forks[0], 102)], 1: [(forks[1], 103)]})
+    return parents + forks
+
+
+def _run_down(sched: Scheduler, world: World, seqs: list[Sequence]) -> None:
+    token = 200
+    for _ in range(60):
+        if not sched.has_unfinished():
+            break
+        result = sched.schedule()
+        assert result.seqs, "an empty step with work left: nothing can ever run"
+        world.apply(result)
+        token += 1
+        sched.postprocess(result, [token] * sum(result.needs_sample))
+        check_invariants(sched, world, seqs)
+    assert not sched.has_unfinished()
+    assert sched.stats.num_free_blocks == sched.stats.num_blocks
+
+
+def test_waiting_forks_give_up_their_blocks_before_a_running_sequence_cannot_fit() -> None:
+    # 4 blocks of 4 tokens; each request alone needs 3 (12 tokens): the waiting forks hold every prompt block, so
+    # preempting the other running parent alone freed nothing (the first parent then "could not fit alone").
+    sched, world = make(num_blocks=4)
+    seqs = _two_requests_with_forks(sched, world, parent_max=4, fork_max=4)
+    _run_down(sched, world, seqs)
+    assert all(s.finish_reason == "length" and s.num_completion_tokens == 4 for s in seqs)
+    assert sched.stats.num_preemptions >= 3  # both forks, then the newer parent
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_forks_holding_every_block_with_nothing_running_still_start(caching: bool) -> None:
+    # Both parents end at their first token; their forks hold all 4 blocks and each needs a fifth to decode. The
+    # steps were empty for ever (a hang); now the newer fork gives its blocks up and recomputes later.
+    sched, world = make(num_blocks=4, caching=caching)
+    seqs = _two_requests_with_forks(sched, world, parent_max=1, fork_max=3)
+    assert [s.is_finished for s in seqs] == [True, True, False, False] and not sched.running
+    _run_down(sched, world, seqs)
+    assert [s.num_completion_tokens for s in seqs] == [1, 1, 3, 3]
+    assert [s.token_ids[8] for s in seqs] == [100, 101, 102, 103]  # each fork keeps its first token

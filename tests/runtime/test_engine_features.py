@@ -101,6 +101,21 @@ def test_n_samples_finishing_at_once_and_aborted(model_dir) -> None:
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_n_samples_in_a_cache_their_forks_fill_equal_a_big_caches(model_dir, caching: bool) -> None:
+    # 4 blocks: each request alone needs 3 (32 + 8 tokens), and its waiting fork holds its 2 prompt blocks, so the
+    # running samples only fit once the forks give their blocks up (a crash before); seeded samples are the same.
+    reqs = [(prompt(32, s), SamplingParams(n=2, seed=s, temperature=1.0, max_tokens=8, ignore_eos=True))
+            for s in (1, 2)]
+    small = make_engine(model_dir, caching=caching, blocks=4)
+    got = run(small, reqs)
+    want = run(make_engine(model_dir, caching=caching), reqs)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert all(len(c.token_ids) == 8 for o in got for c in o.outputs)
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
 def test_prompt_logprobs_match_hf_with_chunks_and_cache(model_dir, hf) -> None:
     # budget 24 < prompt: chunked prefill; prefix caching on and the prompt cached by a first request.
     engine = make_engine(model_dir, caching=True, budget=24)
