@@ -37,7 +37,7 @@ def _usage() -> str:
 
 def ranks_to_start(module: str, args: argparse.Namespace) -> int:
     """Check the command's flags and config as its ranks will (ConfigError naming the flag); the rank count."""
-    from rtp.config import checkpoint_dir
+    from rtp.config import check_combinations, checkpoint_dir
     from rtp.entrypoints.flags import ENGINE_FLAGS, SERVER_FLAGS, load_config_from_args
 
     flags = ENGINE_FLAGS + (SERVER_FLAGS if module == COMMANDS["serve"] else ())
@@ -45,8 +45,7 @@ def ranks_to_start(module: str, args: argparse.Namespace) -> int:
     checkpoint_dir(config)  # a folder without a checkpoint fails here, not in every rank
     nproc, tp = args.nproc_per_node, args.parallel__tensor_parallel_size
     pp, dp = config.parallel.pipeline_parallel_size, config.parallel.data_parallel_size
-    if pp > 1 and dp > 1:
-        raise RtpError("--pipeline-parallel-size with --data-parallel-size is not supported yet: use one of them")
+    check_combinations(config)
     split = pp * dp
     if nproc is not None and tp is not None and nproc != tp * split:
         times = f" x --pipeline-parallel-size {pp}" if pp > 1 else f" x --data-parallel-size {dp}" if dp > 1 else ""

@@ -19,6 +19,7 @@ dataclasses.
 
 from rtp.config.loading import (
     OVERRIDE_SOURCE,
+    check_combinations,
     checkpoint_dir,
     config_from_dict,
     default_config_path,
@@ -42,6 +43,7 @@ from rtp.config.sections import (
 
 __all__ = [
     "OVERRIDE_SOURCE", "CacheConfig", "LivenessConfig", "ModelConfig", "ParallelConfig", "RtpConfig",
-    "SchedulerConfig", "ServerConfig", "SpeculativeConfig", "checkpoint_dir", "config_from_dict", "default_config_path",
+    "SchedulerConfig", "ServerConfig", "SpeculativeConfig", "check_combinations",
+    "checkpoint_dir", "config_from_dict", "default_config_path",
     "flat_keys", "load_config", "replace_settings", "resolve_tp_size", "setting_keys", "value_of",
 ]

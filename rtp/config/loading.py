@@ -219,15 +219,25 @@ def default_config_path() -> Path | None:
     return path if path.is_file() else None
 
 
+def check_combinations(config: RtpConfig) -> None:
+    """ConfigError for settings each valid alone but not together (the launcher checks before any rank starts,
+    every rank again)."""
+    pp, dp = config.parallel.pipeline_parallel_size, config.parallel.data_parallel_size
+    if pp > 1 and dp > 1:
+        raise ConfigError(f"pipeline_parallel_size={pp} with data_parallel_size={dp} is not supported yet: "
+                          "use one of them")
+    if pp > 1 and config.speculative_config.method == "eagle3":
+        raise ConfigError("speculative_config.method='eagle3' is not implemented with pipeline parallelism: the "
+                          "hidden states it reads come from layers on several stages")
+
+
 def resolve_tp_size(config: RtpConfig, world_size: int) -> int:
     """The tensor-parallel size of this run: world_size / (pipeline_parallel_size x data_parallel_size), and
     ``tensor_parallel_size`` if set must equal it."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world size {world_size!r} is invalid: expected an integer >= 1")
+    check_combinations(config)
     pp, dp = config.parallel.pipeline_parallel_size, config.parallel.data_parallel_size
-    if pp > 1 and dp > 1:
-        raise ConfigError(f"pipeline_parallel_size={pp} with data_parallel_size={dp} is not supported yet: "
-                          "use one of them")
     split, what = (dp, "data_parallel_size") if dp > 1 else (pp, "pipeline_parallel_size")
     if world_size % split:
         raise ConfigError(

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rtp.config import RtpConfig
+from rtp.config import RtpConfig, check_combinations
 from rtp.core.sequence import Sequence
 from rtp.errors import ConfigError
 from rtp.log import get_logger
@@ -85,9 +85,7 @@ def check_eagle3_head(config: RtpConfig, target_dir: Path) -> None:
     if spec.method != "eagle3":
         return
     assert spec.model is not None, "the config rule requires a model with eagle3"
-    if config.parallel.pipeline_parallel_size > 1:
-        raise ConfigError("speculative_config.method='eagle3' is not implemented with pipeline parallelism: the "
-                          "hidden states it reads come from layers on several stages")
+    check_combinations(config)  # not with pipeline stages
     open_head(Path(spec.model).expanduser(), target_dir)
 
 

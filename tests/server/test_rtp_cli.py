@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rtp.assets import trained_eagle3_dir
 from rtp.testing import default_model_dir
 from tests.server.test_serve_e2e import Server, kill, shm_segments, wait_ready
 from tests.utils import hf_greedy, rank_pids
@@ -27,6 +28,7 @@ from tests.utils import hf_greedy, rank_pids
 pytestmark = pytest.mark.slow
 
 RTP = Path(sys.executable).with_name("rtp")  # the console script of this venv (pip install -e .)
+EAGLE = {"method": "eagle3", "model": str(trained_eagle3_dir()), "num_speculative_tokens": 2}
 CONFIG = "device: cpu\ndtype: float32\nblock_size: 16\ncpu_kv_cache_gib: 0.1\nenforce_eager: true\nlog_level: INFO\n"
 
 
@@ -120,6 +122,8 @@ def test_bad_flags_and_configs_fail_before_any_rank_starts(tmp_path):
                         (["generate", "--config", str(bad)], "block_size"),
                         (["generate", "--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
                         (["generate", "--nproc-per-node", "3", "-pp", "2"], "3 is not a multiple of --pipeline"),
+                        (["generate", "-pp", "2", "-dp", "2"], "with data_parallel_size=2 is not supported"),
+                        (["generate", "-pp", "2", "--speculative-config", json.dumps(EAGLE)], "with pipeline"),
                         (["generate", "--max-tokens", "0"], "max_tokens=0 is invalid"),
                         (["generate", "--model", str(tmp_path)], "is not a Hugging Face checkpoint folder"),
                         (["generate", "--prompts-file", str(tmp_path / "missing.jsonl")], "No such file"),
