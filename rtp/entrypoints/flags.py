@@ -43,7 +43,6 @@ class Flag:
     metavar: str | None = None
 
 
-
 def _json_mapping(value: str) -> dict[str, Any]:
     """A JSON object given on the command line (``--speculative-config '{"method": "ngram", ...}'``)."""
     try:
