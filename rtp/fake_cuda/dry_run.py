@@ -76,11 +76,16 @@ class _FakeWorld(ParallelState):
     """A rank of a TP group on torch.distributed's fake process group.
 
     The fake group runs every collective without moving data, so ``min_int`` (a MIN over ranks read back
-    on the host) answers with this rank's value, which is what every rank of a uniform fake world holds.
+    on the host) answers with this rank's value, which is what every rank of a uniform fake world holds, and
+    ``raise_any`` raises this rank's own error (objects read back on the host cannot cross it either).
     """
 
     def min_int(self, value: int) -> int:
         return value
+
+    def raise_any(self, error: Exception | None, doing: str) -> None:
+        if error is not None:
+            raise error
 
 
 @contextlib.contextmanager
