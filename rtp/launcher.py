@@ -45,18 +45,16 @@ def ranks_to_start(module: str, args: argparse.Namespace) -> int:
     checkpoint_dir(config)  # a folder without a checkpoint fails here, not in every rank
     nproc, tp = args.nproc_per_node, args.parallel__tensor_parallel_size
     pp, dp = config.parallel.pipeline_parallel_size, config.parallel.data_parallel_size
-    check_combinations(config)
-    split = pp * dp
+    check_combinations(config)  # so at most one of pp and dp is above 1
+    split, split_flag = pp * dp, "--pipeline-parallel-size" if pp > 1 else "--data-parallel-size"
     if nproc is not None and tp is not None and nproc != tp * split:
-        times = f" x --pipeline-parallel-size {pp}" if pp > 1 else f" x --data-parallel-size {dp}" if dp > 1 else ""
+        times = f" x {split_flag} {split}" if split > 1 else ""
         raise RtpError(f"--nproc-per-node {nproc} and --tensor-parallel-size {tp}{times} disagree: "
                        "give one of them")
     if nproc is None:
         nproc = (config.parallel.tensor_parallel_size or 1) * split
-    if nproc % dp:
-        raise RtpError(f"--nproc-per-node {nproc} is not a multiple of --data-parallel-size {dp}")
-    if nproc % pp:
-        raise RtpError(f"--nproc-per-node {nproc} is not a multiple of --pipeline-parallel-size {pp}")
+    if nproc % split:
+        raise RtpError(f"--nproc-per-node {nproc} is not a multiple of {split_flag} {split}")
     local = config.parallel.data_parallel_size_local
     if local is not None and local != dp:
         raise RtpError(f"--data-parallel-size-local {local} and --data-parallel-size {dp} disagree: `rtp` starts one "
