@@ -229,6 +229,9 @@ def check_combinations(config: RtpConfig) -> None:
     if pp > 1 and config.speculative_config.method == "eagle3":
         raise ConfigError("speculative_config.method='eagle3' is not implemented with pipeline parallelism: the "
                           "hidden states it reads come from layers on several stages")
+    if config.model.batch_invariant and config.speculative_config.method == "eagle3":
+        raise ConfigError("speculative_config.method='eagle3' with model.batch_invariant=true is not supported: the "
+                          "steps that return the head's hidden states run outside the batch-invariant kernels")
 
 
 def resolve_tp_size(config: RtpConfig, world_size: int) -> int:

@@ -44,6 +44,16 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
+def seq_block_hashes(seq: Sequence, block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of ``seq.token_ids`` (extends ``seq.block_hashes``, with prefix caching
+    off too: EAGLE-3's proposer names its reusable blocks by them)."""
+    hashes = seq.block_hashes
+    for i in range(len(hashes), seq.num_tokens // block_size):
+        parent = hashes[i - 1] if i > 0 else None
+        hashes.append(hash_block(parent, seq.token_ids[i * block_size : (i + 1) * block_size]))
+    return hashes
+
+
 class BlockManager:
     """Owns the KV blocks: free pools, reference counts and the hash -> block map."""
 
@@ -90,15 +100,6 @@ class BlockManager:
         """Blocks needed to hold ``num_tokens`` positions."""
         return -(-num_tokens // self.block_size)
 
-    def seq_block_hashes(self, seq: Sequence) -> list[int]:
-        """Chained hashes of the full blocks of ``seq.token_ids`` (extends ``seq.block_hashes``)."""
-        bs = self.block_size
-        hashes = seq.block_hashes
-        for i in range(len(hashes), seq.num_tokens // bs):
-            parent = hashes[i - 1] if i > 0 else None
-            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
-        return hashes
-
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq``'s known tokens.
 
@@ -112,7 +113,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        hashes = self.seq_block_hashes(seq)
+        hashes = seq_block_hashes(seq, self.block_size)
         limit = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for h in hashes[:limit]:
@@ -218,7 +219,7 @@ class BlockManager:
         full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         if full <= seq.num_hashed_blocks:
             return
-        hashes = self.seq_block_hashes(seq)
+        hashes = seq_block_hashes(seq, self.block_size)
         for i in range(seq.num_hashed_blocks, full):
             block_id, h = seq.block_table[i], hashes[i]
             registered = self._hash[block_id]

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from rtp.config import RtpConfig, check_combinations
+from rtp.core.block_manager import seq_block_hashes
 from rtp.core.sequence import Sequence
 from rtp.errors import ConfigError
 from rtp.log import get_logger
@@ -190,12 +191,12 @@ class Eagle3Proposer:
 
     def _feature_rows(self, seq_id: int, start: int, n: int) -> tuple[torch.Tensor, int]:
         """Features of positions ``[start, start + n)`` [n, H], zeros where none arrived; and the position after
-        the last zero row (``start`` where there is none)."""
+        the last zero row (0 where there is none: a catch-up in several passes keeps the real start it had)."""
         known = self._feats.get(seq_id)
         if known is not None:
             first, rows = known.first, known.rows()
             if first <= start and start + n <= first + rows.shape[0]:
-                return rows[start - first : start - first + n], start
+                return rows[start - first : start - first + n], 0
         out = torch.zeros(n, self.head.spec.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
         lo = hi = start + n
         if known is not None:
@@ -206,7 +207,8 @@ class Eagle3Proposer:
 
     def _reusable(self, seq: Sequence) -> int:
         """How many of ``seq``'s leading blocks hold head KV another proposal wrote that is right for it."""
-        bs, table, tokens, hashes = self.block_size, seq.block_table, seq.token_ids, seq.block_hashes
+        bs, table, tokens = self.block_size, seq.block_table, seq.token_ids
+        hashes = seq_block_hashes(seq, bs)  # with prefix caching off too: n > 1 samples share prompt blocks
         i = 0
         while (i < min(len(table), len(hashes)) and (i + 1) * bs < len(tokens)
                and self._valid.get(table[i]) == (hashes[i], tokens[(i + 1) * bs])):
@@ -264,7 +266,8 @@ class Eagle3Proposer:
             # the blocks it finished whose every position's head KV came from features (the draft steps write past
             # them; those finished before were recorded then)
             for b in rows:
-                seq, hashes = seqs[b], seqs[b].block_hashes
+                seq = seqs[b]
+                hashes = seq_block_hashes(seq, bs)
                 for i in range(max(-(-real[b] // bs), begin[b] // bs), min(pos[b] // bs, len(hashes),
                                                                            len(seq.block_table))):
                     self._valid[seq.block_table[i]] = (hashes[i], seq.token_ids[(i + 1) * bs])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import xxhash
 
-from rtp.core.block_manager import BlockManager, hash_block
+from rtp.core.block_manager import BlockManager, hash_block, seq_block_hashes
 from rtp.core.sequence import Sequence
 from rtp.sampling import SamplingParams
 
@@ -60,13 +60,12 @@ def test_hash_is_chained_xxh64() -> None:
 
 
 def test_seq_block_hashes_cover_full_blocks_only() -> None:
-    bm = BlockManager(8, 4)
     seq = make_seq(0, list(range(10)))
-    hashes = bm.seq_block_hashes(seq)
+    hashes = seq_block_hashes(seq, 4)
     assert len(hashes) == 2
     assert hashes[1] == hash_block(hash_block(None, [0, 1, 2, 3]), [4, 5, 6, 7])
     seq.token_ids += [10, 11]
-    assert len(bm.seq_block_hashes(seq)) == 3
+    assert len(seq_block_hashes(seq, 4)) == 3
 
 
 def test_allocate_free_and_reuse_across_requests() -> None:

@@ -124,6 +124,8 @@ def test_bad_flags_and_configs_fail_before_any_rank_starts(tmp_path):
                         (["generate", "--nproc-per-node", "3", "-pp", "2"], "3 is not a multiple of --pipeline"),
                         (["generate", "-pp", "2", "-dp", "2"], "with data_parallel_size=2 is not supported"),
                         (["generate", "-pp", "2", "--speculative-config", json.dumps(EAGLE)], "with pipeline"),
+                        (["generate", "--batch-invariant", "--speculative-config", json.dumps(EAGLE)],
+                         "with model.batch_invariant=true is not supported"),
                         (["generate", "--max-tokens", "0"], "max_tokens=0 is invalid"),
                         (["generate", "--model", str(tmp_path)], "is not a Hugging Face checkpoint folder"),
                         (["generate", "--prompts-file", str(tmp_path / "missing.jsonl")], "No such file"),

@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM
 
 from rtp.assets import trained_eagle3_dir, trained_model_dir
 from rtp.config import SpeculativeConfig
-from rtp.core.block_manager import BlockManager
 from rtp.core.sequence import Sequence
 from rtp.errors import ConfigError
 from rtp.runtime.model_runner import StepOutput
@@ -319,14 +318,12 @@ def test_a_blocks_reusable_head_kv_is_forgotten_once_another_sequence_writes_it(
     holds the block after A, and its target hidden states never reached the proposer)."""
     proposer = make_engine(target, eagle_config(heads["specforge"])).spec.proposer
     assert isinstance(proposer, Eagle3Proposer)
-    hashes = BlockManager(64, 16)  # for the chained block hashes
     gen = torch.Generator().manual_seed(5)
     p, q = (torch.randint(0, 500, (40,), generator=gen).tolist() for _ in range(2))
 
     def seq(seq_id: int, tokens: list[int], table: list[int]) -> Sequence:
         s = Sequence(seq_id, tokens, GREEDY)
         s.block_table = table
-        hashes.seq_block_hashes(s)
         return s
 
     a = seq(1, p, [5, 6, 7])
@@ -338,13 +335,21 @@ def test_a_blocks_reusable_head_kv_is_forgotten_once_another_sequence_writes_it(
     assert proposer._reusable(seq(3, p[:16] + q[16:], [5, 6, 9])) == 0  # another token after block 0
     proposer.propose([seq(4, q, [5, 8, 10])], [K])  # no features: zeros written into block 5
     assert proposer._reusable(twin) == 0
+    # A catch-up in several passes (a prompt above max_num_batched_tokens) records its blocks all the same.
+    proposer.max_pass_tokens = 7
+    proposer.observe(StepOutput(aux_hidden=AuxHidden([5], [0], [0], torch.randn(40, width, generator=gen))))
+    proposer.propose([seq(5, p, [11, 12, 13])], [K])
+    assert proposer._reusable(seq(6, p, [11, 12, 14])) == 2
 
 
-def test_samples_of_a_prompt_ending_on_a_block_boundary_draft_the_reference(target, heads, prompts) -> None:
+@pytest.mark.parametrize("caching", [True, False])
+def test_samples_of_a_prompt_ending_on_a_block_boundary_draft_the_reference(target, heads, prompts, caching) -> None:
     """n = 3 sampled from a 32-token prompt (two whole blocks): the samples share the prompt's blocks, but the
     head's KV at the last prompt position reads each sample's own first token, so every sample but the first
-    computes the last block again in a block of its own; every draft equals the reference's."""
-    engine = make_engine(target, eagle_config(heads["specforge"]))
+    computes the last block again in a block of its own; every draft equals the reference's. With prefix caching
+    off too: the samples still share the first block, whose head KV they reuse (rewritten from zero features, it
+    spoilt the first sample's drafts as well)."""
+    engine = make_engine(target, eagle_config(heads["specforge"]), caching=caching)
     seen = recording(engine)
     sampled = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = run(engine, [(prompts[3][:32], sampled)])
