@@ -81,6 +81,34 @@ def _has_plain_decode(tokenizer: Any) -> bool:
     )
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the other 68 for
+    the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: chr(b) for b in printable}
+    for b in (b for b in range(256) if b not in chars):
+        chars[b] = chr(0x100 + len(chars) - len(printable))
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:  # noqa: ANN401
+    """The UTF-8 bytes a token stands for, also where they are only part of a character (OpenAI's logprob
+    ``bytes``): read from a byte-level vocabulary's token string (Qwen's, GPT-2's) or a ``<0xNN>`` byte-fallback
+    token; else the token's decoded text (U+FFFD for a partial character)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and token_id not in getattr(tokenizer, "added_tokens_decoder", {}):
+        if backend is not None and isinstance(backend.decoder, decoders.ByteLevel) and all(c in _BYTE_OF
+                                                                                          for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes.fromhex(piece[3:5])
+    return tokenizer.decode([token_id]).encode()
+
+
 class TokenDecoder:
     """``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``, made cheap.
 

@@ -125,7 +125,7 @@ class Engine:
     ) -> str:
         """Queue a request; returns its id. Raises RequestError if it can never be served."""
         params = params or self.model_info.default_params()
-        ids = self.inputs.tokenize(prompt, params.truncate_prompt_tokens)
+        ids = self.inputs.tokenize(prompt, params.truncate_prompt_tokens, params.max_tokens)
         self.inputs.check_params(params)
         arrival = time.time()
         seqs = [Sequence(next(self._seq_ids), ids, params, arrival_time=arrival)]

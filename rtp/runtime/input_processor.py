@@ -13,17 +13,21 @@ from rtp.runtime.sampler import bad_words_token_ids
 from rtp.sampling import SamplingParams
 
 
-def truncate_prompt(ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
+def truncate_prompt(ids: list[int], truncate: int | None, max_model_len: int, max_tokens: int | None = None
+                    ) -> list[int]:
     """The prompt ``ids`` as SamplingParams.truncate_prompt_tokens ``truncate`` leaves it: its last ``truncate``
-    tokens, its last ``max_model_len`` for -1 (vLLM's "truncate to the model's context"), all of them for None.
-    A ``truncate`` past the context is refused, as vLLM does: no prompt that long could be served."""
+    tokens; for -1 ("fit the context") its last ``max_model_len - max_tokens`` (at least one; without a
+    ``max_tokens``: ``max_model_len - 1``, as vLLM's, and the default max_tokens then shrinks to fit); all of them
+    for None. A ``truncate`` that leaves no room for a generated token is refused: no prompt that long can be
+    served."""
     if truncate is None:
         return ids
-    if truncate > max_model_len:
-        raise RequestError(f"SamplingParams.truncate_prompt_tokens={truncate} is invalid: it is larger than the "
-                           f"model's context (max_model_len={max_model_len}); give at most {max_model_len}, or -1 "
-                           "for the whole context")
-    return ids[-(max_model_len if truncate == -1 else truncate):]
+    if truncate >= max_model_len:
+        raise RequestError(f"SamplingParams.truncate_prompt_tokens={truncate} is invalid: it leaves no room in the "
+                           f"model's context (max_model_len={max_model_len}) for a generated token; give at most "
+                           f"{max_model_len - 1}, or -1 to fit the prompt to the context")
+    keep = max(1, max_model_len - (max_tokens or 1)) if truncate == -1 else truncate
+    return ids[-keep:]
 
 
 class InputProcessor:
@@ -32,7 +36,8 @@ class InputProcessor:
     def __init__(self, info: ModelInfo) -> None:
         self.info = info
 
-    def tokenize(self, prompt: str | list[int], truncate: int | None = None) -> list[int]:
+    def tokenize(self, prompt: str | list[int], truncate: int | None = None, max_tokens: int | None = None
+                 ) -> list[int]:
         """Token ids of a prompt given as text or ids, validated, then truncated as
         SamplingParams.truncate_prompt_tokens ``truncate`` says (see :func:`truncate_prompt`)."""
         if isinstance(prompt, str):
@@ -47,7 +52,7 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is out of range: the vocabulary has {vocab} ids")
-        return truncate_prompt(ids, truncate, self.info.max_model_len)
+        return truncate_prompt(ids, truncate, self.info.max_model_len, max_tokens)
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse token ids in ``params`` (logit_bias, allowed_token_ids) that the vocabulary does not have."""

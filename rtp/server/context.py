@@ -188,7 +188,8 @@ class ServerContext:
         max_tokens name ``max_tokens_param`` (default: the request's own field)."""
         try:
             ids = await self.off_loop(self.engine.tokenize, prompt)
-            ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)  # before max_tokens is fitted
+            ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len,  # before max_tokens is fitted
+                                  req.requested_max_tokens())
             req_param = max_tokens_param or (
                 "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens")
             max_tokens = resolve_max_tokens(req.requested_max_tokens(), self.server, len(ids), self.max_model_len,

@@ -179,7 +179,7 @@ class EngineClient:
             raise ServerShuttingDownError("the server is shutting down")
         if request_id in self._handles:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.inputs.tokenize(prompt, params.truncate_prompt_tokens)
+        ids = self.inputs.tokenize(prompt, params.truncate_prompt_tokens, params.max_tokens)
         self.inputs.check_params(params)
         self._validator.validate(Sequence(0, ids, params))
         grammar: GrammarSpec | None = getattr(params.constraint, "grammar_spec", None)

@@ -9,7 +9,9 @@ Shapes (one choice per sample: ``n`` choices, index 0 to n-1; see :meth:`Respons
   "message": {"role": "assistant", "content"}, "logprobs", "finish_reason"}], "usage"}``; with a
   ChatOutput (reasoning parser, tools) the message may add ``reasoning_content`` and ``tool_calls``
   and the deltas likewise;
-  logprobs ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
+  logprobs ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``; ``bytes`` are the
+  token's own, also where they hold part of a character (its ``token``, decoded alone, is then U+FFFD), and a
+  completions ``text_offset`` counts the characters the tokens before it complete.
 - stream chunks: ``object`` "text_completion" / "chat.completion.chunk", the
   choice carries ``text`` / ``delta``; with ``include_usage`` a last chunk
   has ``"choices": []`` and the usage.
@@ -27,11 +29,13 @@ token, which is left out, as vLLM does.
 
 from __future__ import annotations
 
+import codecs
 import copy
 import time
 from typing import Any
 
 from rtp.outputs import CompletionOutput, RequestOutput
+from rtp.runtime.detokenizer import token_bytes
 from rtp.server.chat_output import ChatOutput
 
 
@@ -48,6 +52,7 @@ class ResponseBuilder:
         self.num_prompt_tokens, self.num_logprobs = num_prompt_tokens, num_logprobs
         self.created = int(time.time())
         self._text_offset = 0  # completions logprobs: characters of the tokens already reported
+        self._chars = _utf8_chars()  # their bytes -> the characters they complete (a token may hold part of one)
         self.index = 0  # the choice index this builder writes
         # Completions: the prompt text to echo before the completion; chat: the assistant's last message.
         self.echo: str | None = None
@@ -61,6 +66,7 @@ class ResponseBuilder:
         """A builder for choice ``index`` (n > 1), with its own offsets and chat parser; call on a fresh builder."""
         b = copy.copy(self)
         b.index, b._text_offset, b._echo_sent, b._prompt_logprobs_sent = index, 0, False, False
+        b._chars = _utf8_chars()
         b.chat_output = copy.deepcopy(self.chat_output)
         return b
 
@@ -128,15 +134,14 @@ class ResponseBuilder:
         """Completions logprobs of the prompt tokens (echo; the first token has none) and their text length."""
         prompt_lp = request.prompt_logprobs or [None] * len(request.prompt_token_ids)
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        offset = 0
+        offset, chars = 0, _utf8_chars()
         for tid, entry in zip(request.prompt_token_ids, prompt_lp):
-            tok = self._token(tid)
-            tokens.append(tok)
+            tokens.append(self._token(tid))
             token_logprobs.append(None if entry is None else self._finite(entry.get(tid)))
             top = None if entry is None else self._top_dict(entry, tid)
             top_logprobs.append(top)
             offsets.append(offset)
-            offset += len(tok)
+            offset += len(chars.decode(token_bytes(self.tokenizer, tid)))
         return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                  "text_offset": offsets}, offset)
 
@@ -169,12 +174,11 @@ class ResponseBuilder:
         pairs = list(zip(out.token_ids[start:], out.logprobs[start:]))
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for tid, entry in pairs:
-            tok = self._token(tid)
-            tokens.append(tok)
+            tokens.append(self._token(tid))
             token_logprobs.append(self._finite(entry.get(tid)))
             top_logprobs.append(self._top_dict(entry, tid))
             offsets.append(self._text_offset)
-            self._text_offset += len(tok)
+            self._text_offset += len(self._chars.decode(token_bytes(self.tokenizer, tid)))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
@@ -183,11 +187,10 @@ class ResponseBuilder:
         ``start:``: chat's ``logprobs.content``, and the Responses API's ``output_text.logprobs``."""
         content = []
         for tid, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
-            tok = self._token(tid)
-            top = [{"token": (t := self._token(k)), "logprob": self._finite(v), "bytes": list(t.encode())}
+            top = [{"token": self._token(k), "logprob": self._finite(v), "bytes": list(token_bytes(self.tokenizer, k))}
                    for k, v in self._top(entry)]
-            content.append({"token": tok, "logprob": self._finite(entry.get(tid)),
-                            "bytes": list(tok.encode()), "top_logprobs": top})
+            content.append({"token": self._token(tid), "logprob": self._finite(entry.get(tid)),
+                            "bytes": list(token_bytes(self.tokenizer, tid)), "top_logprobs": top})
         return content
 
     # ---- bodies ----
@@ -285,3 +288,8 @@ class ResponseBuilder:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
         body["usage"] = self.usage(out)
         return body
+
+
+def _utf8_chars() -> codecs.IncrementalDecoder:
+    """Bytes in, the characters they complete out (a partial character waits for its next bytes)."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")

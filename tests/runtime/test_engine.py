@@ -131,18 +131,21 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(model_dir):
     rid = engine.add_request([9] * 300 + [5, 6, 7], params)
     out = run(engine)[rid]  # 303 tokens would not fit max_model_len = 256
     assert out.prompt_token_ids == [5, 6, 7] and out.token_ids == [20, 21]
-    # -1 (vLLM): truncate to the model's context, the last max_model_len tokens; a prompt that fits stays whole
+    # -1: fit the prompt to the context, leaving room for max_tokens; a prompt that fits stays whole
     rid = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=-1))
     assert run(engine)[rid].prompt_token_ids == [5, 6, 7]
-    assert truncate_prompt(list(range(300)), -1, engine.max_model_len) == list(range(300 - engine.max_model_len, 300))
-    with pytest.raises(RequestError, match=f"the prompt has {engine.max_model_len} tokens"):  # no room left
-        engine.add_request(list(range(300)), SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
+    n = engine.max_model_len
+    assert truncate_prompt(list(range(300)), -1, n) == list(range(300 - (n - 1), 300))  # vLLM's, no max_tokens
+    rid = engine.add_request([5] * 300, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
+    out = run(engine)[rid]
+    assert len(out.prompt_token_ids) == n - 2 and out.token_ids == [20, 21]
     for bad in (0, -2, 1.5):
         with pytest.raises(RequestError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
-    with pytest.raises(RequestError, match=f"larger than the model's context .max_model_len={engine.max_model_len}"):
-        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, truncate_prompt_tokens=engine.max_model_len + 1))
-    assert truncate_prompt([1, 2], engine.max_model_len, engine.max_model_len) == [1, 2]  # the whole context is fine
+    for bad in (n, n + 1):  # no room left for a generated token
+        with pytest.raises(RequestError, match=f"leaves no room in the model's context .max_model_len={n}"):
+            engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, truncate_prompt_tokens=bad))
+    assert truncate_prompt([1, 2], n - 1, n) == [1, 2]
 
 
 def test_detokenize_false_gives_token_ids_only(model_dir):

@@ -293,14 +293,15 @@ def test_truncate_prompt_tokens_keeps_the_end_before_max_tokens_is_fitted(served
         choice = r.json()["choices"][0]
         assert len(kept) == 3 and choice["text"] == tokenizer.decode(kept) + expected_text(tokenizer, 2)
         assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
-    for bad in (0, -2, MAX_MODEL_LEN + 1):  # vLLM's bounds: a positive k up to the context, or -1
+    for bad in (0, -2, MAX_MODEL_LEN, MAX_MODEL_LEN + 1):  # a positive k leaving room for a token, or -1
         r = client.post("/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
-def test_truncate_prompt_tokens_minus_one_keeps_the_last_max_model_len_tokens(served):
-    """vLLM's -1: truncate to the model's context. A prompt that fits is kept whole (both routes); a longer one
-    keeps its last max_model_len tokens, which leave no room for a completion token (a 400 on the prompt)."""
+def test_truncate_prompt_tokens_minus_one_fits_the_prompt_to_the_context(served):
+    """-1: fit the prompt to the model's context. A prompt that fits is kept whole (both routes); a longer one
+    keeps its last max_model_len - max_tokens tokens (max_model_len - 1 without max_tokens, as vLLM's: the default
+    max_tokens then shrinks to the one token left)."""
     client, engine, _ = served
     prompt = list(range(1, 11))
     r = client.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": -1, "max_tokens": 2})
@@ -312,11 +313,14 @@ def test_truncate_prompt_tokens_minus_one_keeps_the_last_max_model_len_tokens(se
     whole = engine.added[-1][0]
     assert client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": -1}).status_code == 200
     assert engine.added[-1][0] == whole
-    r = client.post("/v1/completions", json={"prompt": list(range(1, 2 * MAX_MODEL_LEN)),
-                                             "truncate_prompt_tokens": -1, "max_tokens": 2})
-    error = r.json()["error"]
-    assert r.status_code == 400 and error["param"] == "prompt", r.text
-    assert f"the prompt has {MAX_MODEL_LEN} tokens" in error["message"]
+    long = list(range(1, 2 * MAX_MODEL_LEN))
+    for max_tokens, kept in ((5, MAX_MODEL_LEN - 5), (None, MAX_MODEL_LEN - 1)):
+        body = {"prompt": long, "truncate_prompt_tokens": -1, **({"max_tokens": max_tokens} if max_tokens else {})}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        ids, params, _ = engine.added[-1]
+        assert ids == long[-kept:] and params.max_tokens == MAX_MODEL_LEN - kept
+        assert r.json()["usage"]["prompt_tokens"] == kept
 
 
 def test_tool_choice_errors_say_what_a_choice_is_and_call_arguments_may_be_an_object(served, tokenizer):
@@ -344,6 +348,39 @@ def test_completion_logprobs_shape(served):
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 4
     assert all(len(t) == 1 for t in lp["top_logprobs"]) and lp["token_logprobs"] == [-0.25] * 4
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(4)]
+
+
+def test_logprobs_of_tokens_holding_part_of_a_character(tokenizer):
+    """Byte-level tokens that each hold part of a character: chat's ``bytes`` are the tokens' own bytes (they
+    rebuild the text; the token strings are U+FFFD), and completions' ``text_offset`` point into the text (the
+    character a token ends or continues), streamed or not, after an echoed prompt too."""
+    app, engine, _ = make_app(tokenizer)
+    engine.pattern = tokenizer.encode("\u65e5\u00e9, the \N{ROCKET}", add_special_tokens=False)
+    engine.hold_partial_chars = True
+    n, prompt = len(engine.pattern), "Now \u65e5\u00e9"
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert n > len("\u65e5\u00e9, the \N{ROCKET}") and len(prompt_ids) > len(prompt)  # characters span tokens
+
+    def starts(ids: list[int]) -> list[int]:  # each token's offset: the complete characters before it
+        return [len(tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": n, "logprobs": True, "top_logprobs": 2})
+        choice = r.json()["choices"][0]
+        content = choice["logprobs"]["content"]
+        assert b"".join(bytes(e["bytes"]) for e in content) == choice["message"]["content"].encode()
+        assert "\ufffd" in [e["token"] for e in content]
+        for entry in content + [top for e in content for top in e["top_logprobs"]]:
+            assert bytes(entry["bytes"]).decode(errors="replace") == entry["token"]
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "logprobs": 1, "echo": True})
+        choice = r.json()["choices"][0]
+        assert choice["text"] == prompt + tokenizer.decode(engine.pattern)
+        assert choice["logprobs"]["text_offset"] == starts(prompt_ids) + [len(prompt) + o for o in
+                                                                          starts(engine.pattern)]
+        r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": n, "logprobs": 0, "stream": True})
+        offsets = [o for c in sse_events(r.text)[:-1] for o in c["choices"][0]["logprobs"]["text_offset"]]
+        assert offsets == starts(engine.pattern)
 
 
 def test_default_max_tokens_shrinks_to_fit_the_context(served):
