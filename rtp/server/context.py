@@ -31,7 +31,7 @@ from rtp.sampling import SamplingParams
 from rtp.server import streaming
 from rtp.server.async_engine import RequestStream, ServingEngine
 from rtp.server.chat_output import ToolMode
-from rtp.server.http_errors import ClientGone, param_of, runtime_error
+from rtp.server.http_errors import ClientGone, lone_surrogate, param_of, runtime_error
 from rtp.server.metrics import ServerMetrics
 from rtp.server.protocol import (
     TEMPLATE_RESERVED,
@@ -156,6 +156,10 @@ class ServerContext:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+        at = lone_surrogate(bytes(body), data)
+        if at is not None:
+            raise ApiError(400, f"{param_of(at)}: a lone UTF-16 surrogate is not text (it has no UTF-8 form)",
+                           param_of(at) or None)
         pin = request.headers.get(DP_RANK_HEADER)
         if pin is not None and "data_parallel_rank" in model.model_fields:
             if not pin.strip().isdigit():

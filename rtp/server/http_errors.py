@@ -32,6 +32,29 @@ def param_of(loc: tuple[Any, ...]) -> str:
     return ".".join(str(x) for x in loc if not (isinstance(x, str) and _TYPE_TAG.match(x)))
 
 
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # escaped, or as the bytes json.loads lets pass
+
+
+def lone_surrogate(body: bytes, data: Any) -> tuple[Any, ...] | None:  # noqa: ANN401 - parsed JSON
+    """The location of the first string of ``data`` (``body`` parsed) holding a lone UTF-16 surrogate, which JSON
+    allows ("\\ud800") and UTF-8 (the tokenizer) cannot carry; None where there is none (the usual case: the body
+    alone says so)."""
+    if not _SURROGATE.search(body):
+        return None
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        loc, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return loc
+        elif isinstance(value, (dict, list)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend(((*loc, k), v) for k, v in reversed(list(items)))
+    return None
+
+
 def runtime_error(e: Exception, prompt_param: str) -> ApiError:
     """The HTTP error for an exception raised while submitting or running a request."""
     if isinstance(e, ApiError):

@@ -575,6 +575,10 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
     ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", b'{"prompt": ["a", "b\\ud800"]}', 400, "prompt.1"),  # JSON's lone surrogate: no UTF-8
+    ("completions", b'{"prompt": "a", "stop": "\xed\xa0\x80"}', 400, "stop"),  # the same, as raw bytes
+    ("completions", b'{"prompt": "\\ud83d\\ude80 \\\\ud800", "max_tokens": 2}', 200, None),  # a pair; no escape
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages.0.content"),
     ("completions", {"prompt": 5}, 400, "prompt"),
     ("completions", {"prompt": ["a", [1, 2]]}, 400, "prompt"),  # a list of prompts is all texts or all ids
     ("completions", {"prompt": [1, "b"]}, 400, "prompt"),
