@@ -49,8 +49,8 @@ class ChatOutput:
         elif self.tool_mode == "named":
             calls, content = [ToolCall(self.tool_name or "", text)], None
         msg["content"] = content if content is not None or calls else ""  # null only beside tool calls
-        if self.reasoning:
-            msg["reasoning_content"] = reasoning
+        if self.reasoning:  # vLLM's name now, and its earlier one (DeepSeek's), for clients of either
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
         if calls:
             msg["tool_calls"] = [c.openai() for c in calls]
             self.has_calls = True
@@ -63,7 +63,7 @@ class ChatOutput:
         if self.reasoning:
             d = self._reasoning_stream.feed(new_text, final)
             if d.reasoning:
-                out["reasoning_content"] = d.reasoning
+                out["reasoning"] = out["reasoning_content"] = d.reasoning
             content = d.content
         if self.tool_mode == "named":
             if not self.has_calls:  # the first chunk names the function

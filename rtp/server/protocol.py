@@ -332,6 +332,7 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -493,10 +494,12 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
-            value = getattr(m, key)
+        if m.tool_calls is not None:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        for key, value in (("tool_call_id", m.tool_call_id), ("name", m.name),
+                           ("reasoning_content", m.reasoning if m.reasoning is not None else m.reasoning_content)):
             if value is not None:
-                msg[key] = [c.model_dump() for c in value] if key == "tool_calls" else value
+                msg[key] = value
         out.append(msg)
     return out
 

@@ -7,7 +7,7 @@ Shapes (one choice per sample: ``n`` choices, index 0 to n-1; see :meth:`Respons
   logprobs ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
 - chat: ``{"id", "object": "chat.completion", ..., "choices": [{"index",
   "message": {"role": "assistant", "content"}, "logprobs", "finish_reason"}], "usage"}``; with a
-  ChatOutput (reasoning parser, tools) the message may add ``reasoning_content`` and ``tool_calls``
+  ChatOutput (reasoning parser, tools) the message may add ``reasoning`` (and ``reasoning_content``) and ``tool_calls``
   and the deltas likewise;
   logprobs ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``; ``bytes`` are the
   token's own, also where they hold part of a character (its ``token``, decoded alone, is then U+FFFD), and a

@@ -145,7 +145,8 @@ class ToolCallOut(_Doc):
 class AssistantMessage(_Doc):
     role: Literal["assistant"]
     content: str | None = Field(description="null only beside tool_calls")
-    reasoning_content: str | None = Field(default=None, description="the think block (with --reasoning-parser)")
+    reasoning: str | None = Field(default=None, description="the think block (with --reasoning-parser), as vLLM's")
+    reasoning_content: str | None = Field(default=None, description="the same, under its earlier name")
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -185,6 +186,7 @@ class ToolCallDelta(_Doc):
 class ChatDelta(_Doc):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 

@@ -150,11 +150,12 @@ def test_a_long_required_stream_keeps_only_the_object_being_read():
 def test_chat_output_messages_and_deltas():
     text = "<think>\nhmm\n</think>\n\n" + CALL
     msg = ChatOutput(reasoning=True, tool_mode="auto").message(text)
-    assert msg["reasoning_content"] == "hmm" and msg["content"] is None
+    assert msg["reasoning"] == msg["reasoning_content"] == "hmm" and msg["content"] is None  # vLLM's name, its old
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
     out = ChatOutput(reasoning=True, tool_mode="auto")
     deltas = [out.delta(text[:9], False), out.delta(text[9:40], False), out.delta(text[40:], True)]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "hmm"
+    assert [d.get("reasoning") for d in deltas] == [d.get("reasoning_content") for d in deltas]
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [c["index"] for c in calls] == [0] and calls[0]["function"]["name"] == "get_weather"
     assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"

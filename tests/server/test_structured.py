@@ -178,6 +178,18 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}
 
 
+def test_an_earlier_turns_reasoning_under_either_name_reaches_the_template(served):
+    """vLLM's clients send an assistant turn's think block back as ``reasoning`` (its newer name) or
+    ``reasoning_content``: the same prompt either way, with the block in it."""
+    client, engine = served
+    prompts = []
+    for key in ("reasoning", "reasoning_content"):
+        turns = [*MSGS, {"role": "assistant", "content": "y", key: "r2"}]
+        assert client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 2}).status_code == 200
+        prompts.append(engine.added[-1][0])
+    assert prompts[0] == prompts[1] and "r2" in engine.tokenizer.decode(prompts[0])
+
+
 def test_constraints_reach_the_sampling_params(served, tokenizer):
     client, engine = served
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object"}}}
