@@ -16,27 +16,39 @@ this process.
 Exit status: 0 when every rank exits 0; 1 when a rank fails (torch logs which) or the
 config is invalid; 0 after SIGTERM or Ctrl-C (SIGINT): torch's agent forwards the signal to
 every rank, which shut down gracefully (the server finishes running requests within
-``server.shutdown_grace_s``), and returns once all have exited (a rank still alive after
-30 s is killed).
+``server.shutdown_grace_s``), and returns once all have exited (a rank still alive 45 s after
+the grace is killed).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
+from typing import NamedTuple
 
 from rtp.errors import RtpError
 
 COMMANDS = {"serve": "rtp.entrypoints.serve", "generate": "rtp.entrypoints.generate"}
+_TEARDOWN_S = 45  # after the grace: the cancel margin, the engine loop's stop margin (35 s in all), teardown
 
 
 def _usage() -> str:
     return "usage: rtp {serve,generate} [--nproc-per-node N] [flags of the command; see rtp <command> --help]"
 
 
-def ranks_to_start(module: str, args: argparse.Namespace) -> int:
-    """Check the command's flags and config as its ranks will (ConfigError naming the flag); the rank count."""
+class Launch(NamedTuple):
+    nproc: int
+    """How many ranks to start."""
+    shutdown_timeout_s: int
+    """How long torchrun's agent waits for the ranks after forwarding a SIGTERM before killing them: the server's
+    shutdown_grace_s, its margins and teardown (torch's own default, 30 s, cut a longer grace short)."""
+
+
+def plan_launch(module: str, args: argparse.Namespace) -> Launch:
+    """Check the command's flags and config as its ranks will (ConfigError naming the flag); the rank count and
+    the shutdown timeout."""
     from rtp.config import check_combinations, checkpoint_dir
     from rtp.entrypoints.flags import ENGINE_FLAGS, SERVER_FLAGS, load_config_from_args
 
@@ -63,14 +75,17 @@ def ranks_to_start(module: str, args: argparse.Namespace) -> int:
         raise RtpError("--data-parallel-size > 1 needs API frontend processes: --api-server-count >= 1, not 0")
     if nproc < 1:
         raise RtpError(f"--nproc-per-node must be >= 1, got {nproc}")
-    return nproc
+    serving = module == COMMANDS["serve"]
+    return Launch(nproc, math.ceil(config.server.shutdown_grace_s) + _TEARDOWN_S if serving else _TEARDOWN_S)
 
 
-def torchrun_args(module: str, nproc: int, forward: list[str]) -> argparse.Namespace:
-    """torchrun's own parsed arguments for ``--standalone --nproc-per-node N -m module *forward``."""
+def torchrun_args(module: str, launch: Launch, forward: list[str]) -> argparse.Namespace:
+    """torchrun's own parsed arguments for ``--standalone --nproc-per-node N --shutdown-timeout S -m module
+    *forward``."""
     from torch.distributed.run import get_args_parser
 
-    return get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", module, *forward])
+    return get_args_parser().parse_args(["--standalone", f"--nproc-per-node={launch.nproc}",
+                                         f"--shutdown-timeout={launch.shutdown_timeout_s}", "-m", module, *forward])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     own.add_argument("--nproc-per-node", type=int)
     _, forward = own.parse_known_args(rest)
     try:
-        nproc = ranks_to_start(module, args)
+        launch = plan_launch(module, args)
         if hasattr(entry, "check_args"):
             entry.check_args(args)  # e.g. generate's input and output files
     except RtpError as e:
@@ -109,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import run
 
     try:
-        run(torchrun_args(module, nproc, forward))
+        run(torchrun_args(module, launch, forward))
     except SignalException as e:
         print(f"rtp {command}: stopped by {e.sigval.name}; every rank has exited", file=sys.stderr)
         return 0

@@ -11,6 +11,7 @@ import gc
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -355,13 +356,20 @@ class ParallelState:
             if error is not None:
                 raise error
             return
-        messages: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(messages, None if error is None else str(error), group=self.cpu_group)
+        messages = self.all_gather_object(None if error is None else str(error))
         if error is not None:
             raise error
         failed = next(((r, m) for r, m in enumerate(messages) if m is not None), None)
         if failed is not None:
             raise RtpError(f"rank {failed[0]} failed {doing}: {failed[1]}")
+
+    def all_gather_object(self, obj: Any) -> list[Any]:  # noqa: ANN401 - any small picklable object
+        """Every rank's ``obj``, by rank (control group; start-up only)."""
+        if self.world_size == 1 or self.cpu_group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
 
     def barrier(self) -> None:
         """Wait for every rank (control group)."""

@@ -77,15 +77,15 @@ class _FakeWorld(ParallelState):
 
     The fake group runs every collective without moving data, so ``min_int`` (a MIN over ranks read back
     on the host) answers with this rank's value, which is what every rank of a uniform fake world holds, and
-    ``raise_any`` raises this rank's own error (objects read back on the host cannot cross it either).
+    ``all_gather_object`` with this rank's object on every rank (objects read back on the host cannot cross it
+    either).
     """
 
     def min_int(self, value: int) -> int:
         return value
 
-    def raise_any(self, error: Exception | None, doing: str) -> None:
-        if error is not None:
-            raise error
+    def all_gather_object(self, obj: Any) -> list[Any]:  # noqa: ANN401 - as ParallelState's
+        return [obj] * self.world_size
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -60,6 +61,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         if not f.exists():
             raise CheckpointError(f"checkpoint index names {f.name}, which is missing from {model_dir}")
     return files
+
+
+def checkpoint_fingerprint(model_dir: Path) -> dict[str, str]:
+    """File name -> a digest of config.json and of each safetensors file (its size, its first and last MiB:
+    the header and tensors at both ends), to tell two nodes' copies of a checkpoint apart without reading it."""
+    out = {"config.json": xxhash.xxh64((model_dir / "config.json").read_bytes()).hexdigest()}
+    for path in checkpoint_files(model_dir):
+        h, size = xxhash.xxh64(), path.stat().st_size
+        with open(path, "rb") as f:
+            h.update(f.read(2**20))
+            f.seek(max(size - 2**20, 0))
+            h.update(f.read())
+        out[path.name] = f"{size}:{h.hexdigest()}"
+    return out
 
 
 def tensor_bytes(path: Path) -> dict[str, int]:

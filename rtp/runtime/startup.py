@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from rtp.config import RtpConfig, resolve_tp_size
+from rtp.config import RtpConfig, resolve_tp_size, setting_keys, value_of
 from rtp.distributed import shm_allreduce
 from rtp.distributed.heartbeat import Heartbeat, HeartbeatRelay, interval_for
 from rtp.distributed.liveness import Failure, Watchdog, exit_deadline, exit_now, kill_hung
@@ -34,12 +34,13 @@ from rtp.distributed.parallel import ParallelState
 from rtp.distributed.shm_channel import ShmChannel
 from rtp.distributed.shm_segment import cleanup_stale_segments, make_segment_name
 from rtp.distributed.step_relay import StepRelay
-from rtp.errors import RtpError
+from rtp.errors import ConfigError, RtpError
 from rtp.log import get_logger, setup_logging
+from rtp.model.loader import checkpoint_fingerprint
 from rtp.runtime.coordinator import Runtime
 from rtp.runtime.engine import Engine
 from rtp.runtime.fault_injection import StepDelay
-from rtp.runtime.model_runner import ModelRunner
+from rtp.runtime.model_runner import ModelRunner, resolve_dtype
 from rtp.runtime.step_transport import StepTransport
 from rtp.runtime.worker import WorkerExit, run_worker
 from rtp.spec.draft_check import check_draft_model
@@ -60,6 +61,7 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
                                    data_parallel_size=config.parallel.data_parallel_size,
                                    data_parallel_size_local=config.parallel.data_parallel_size_local)
     setup_logging(world.rank, config.log_level, coordinator=world.rank == world.coordinator_rank)
+    _check_same_setup(world, config, model_dir)
     check_draft_model(config.speculative_config, model_dir, resolve_tp_size(config, world.world_size))
     check_eagle3_head(config, model_dir)
     step_delay = StepDelay.from_env()
@@ -79,6 +81,43 @@ def start(config: RtpConfig, model_dir: Path) -> Runtime:
         if world.world_size == 1:
             heartbeat.stop()
         raise
+
+
+# What a node may set for itself: where its files are, its memory and shared-memory sizes, its liveness timeouts,
+# its server and its logs. Every other setting must be the same on every node.
+_NODE_LOCAL = ("model.path", "speculative_config.model", "parallel.data_parallel_size_local",
+               "parallel.shm_chunk_bytes", "parallel.shm_num_chunks", "cache.gpu_memory_utilization",
+               "cache.cpu_kv_cache_gib", "liveness.", "server.", "log_level")
+
+
+def _check_same_setup(world: ParallelState, config: RtpConfig, model_dir: Path) -> None:
+    """Several nodes each read their own flags and their own disk: every rank refuses to start (one line, the
+    same on each) when a node's settings or checkpoint differ from node 0's, which gave other tokens with exit
+    code 0 (another block size, weights, expert parallelism) or a gloo abort (another dtype)."""
+    if world.num_nodes == 1 or world.topology is None:
+        return
+    settings = {key: value_of(config, key) for key in setting_keys() if not key.startswith(_NODE_LOCAL)}
+    settings["model.dtype"] = str(resolve_dtype(config.model.dtype, world.device))  # "auto" follows the CPU
+    error, files = None, {}
+    try:
+        files = checkpoint_fingerprint(model_dir)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    world.raise_any(error, "reading its checkpoint")
+    entries = world.all_gather_object((settings, files, str(model_dir)))
+    (first, first_files, first_dir), topo = entries[0], world.topology
+    for node, leader in enumerate(topo.leaders[1:], 1):
+        ours, files, path = entries[leader]
+        where = f"node {node} ({topo.hosts[leader]})"
+        key = next((k for k in first if first[k] != ours[k]), None)
+        if key is not None:
+            raise ConfigError(f"{where} runs {key}={ours[key]!r}, node 0 ({topo.hosts[0]}) {first[key]!r}: start "
+                              "every node with the same settings")
+        name = next((n for n in sorted(first_files.keys() | files.keys()) if first_files.get(n) != files.get(n)),
+                    None)
+        if name is not None:
+            raise ConfigError(f"the checkpoint of {where} ({path}) is not node 0's ({first_dir}): its {name} "
+                              f"differs{'' if name in files else ' (missing)'}; give every node the same files")
 
 
 def _gather_pids(ps: ParallelState) -> list[int]:

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -358,6 +359,31 @@ def test_a_wrong_data_parallel_size_local_fails_both_nodes_before_loading(tmp_pa
         assert ("data_parallel_size_local=2 (--data-parallel-size-local) on node 0, but node 0 holds 1 replica(s): "
                 "its 1 ranks / TP 1") in out, out[-3000:]
         assert "rtp.model.loader" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("differs", ["settings", "checkpoint"])
+def test_a_node_with_other_settings_or_weights_fails_both_nodes_before_loading(tmp_path, two_nodes, differs):
+    """Each node reads its own flags and disk: node 0 with another block size, or with a copy of the checkpoint
+    whose last weights differ, generated other tokens with exit code 0. Now every rank of both nodes refuses to
+    start, naming the node and the setting or file."""
+    (tmp_path / "one.jsonl").write_text(json.dumps({"prompt": "Once", "max_tokens": 2}) + "\n")
+    args = ["--config", str(config(tmp_path)), "--prompts-file", str(tmp_path / "one.jsonl")]
+    if differs == "settings":
+        extra, words = ("--block-size", "32"), "node 1 (rtp-node1) runs cache.block_size=16, node 0 ("
+    else:
+        copy = tmp_path / "copy"
+        shutil.copytree(default_model_dir(), copy)
+        weights = copy / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0x40  # the last tensor's last value
+        weights.write_bytes(bytes(data))
+        extra, words = ("--model", str(copy)), "is not node 0's (" + str(copy) + "): its model.safetensors differs"
+    run = two_nodes(*args, node0_args=("--output", str(tmp_path / "out0.jsonl"), *extra))
+    rcs = [run.wait(0, 120), run.wait(1, 60)]
+    for node, out in enumerate(run.output):
+        assert rcs[node] != 0 and words in out, out[-3000:]
+        assert "rtp.model.loader" not in out, out[-3000:]
+    assert not (tmp_path / "out0.jsonl").exists()
 
 
 @pytest.mark.timeout(420)

@@ -91,27 +91,37 @@ def test_rtp_serve_bad_flags_fail_in_one_line_before_any_rank_starts(tmp_path):
 
 
 def test_tensor_parallel_size_sets_the_rank_count():
-    from rtp.launcher import ranks_to_start
+    from rtp.launcher import plan_launch
 
     args = serve.parse_args(["--tensor-parallel-size", "2"])
     args.nproc_per_node = None
-    assert ranks_to_start("rtp.entrypoints.serve", args) == 2
+    assert plan_launch("rtp.entrypoints.serve", args).nproc == 2
     args = serve.parse_args([])
     args.nproc_per_node = None
-    assert ranks_to_start("rtp.entrypoints.serve", args) == 1  # cpu.yaml leaves tensor_parallel_size null
+    assert plan_launch("rtp.entrypoints.serve", args).nproc == 1  # cpu.yaml leaves tensor_parallel_size null
+
+
+def test_the_launchers_shutdown_timeout_covers_the_servers_grace():
+    """torchrun kills the ranks that outlive its shutdown timeout after a SIGTERM (torch's default: 30 s): `rtp
+    serve` sets it past the grace, so a --shutdown-timeout of 60 s lets running requests finish."""
+    from rtp.launcher import plan_launch
+
+    args = serve.parse_args(["--shutdown-timeout", "60"])
+    args.nproc_per_node = None
+    assert plan_launch("rtp.entrypoints.serve", args).shutdown_timeout_s > 60 + 35  # the engine loop's margins
 
 
 def test_pipeline_parallel_size_multiplies_the_rank_count():
     from rtp.errors import RtpError
-    from rtp.launcher import ranks_to_start
+    from rtp.launcher import plan_launch
 
     args = serve.parse_args(["-tp", "2", "--pipeline-parallel-size", "2", "--pipeline-layer-partition", "1,1"])
     args.nproc_per_node = None
-    assert ranks_to_start("rtp.entrypoints.serve", args) == 4
+    assert plan_launch("rtp.entrypoints.serve", args).nproc == 4
     assert config_of(["-pp", "2", "--pipeline-layer-partition", "3,1"]).parallel.pipeline_layer_partition == (3, 1)
     args.nproc_per_node = 2
     with pytest.raises(RtpError, match="--nproc-per-node 2 and --tensor-parallel-size 2 x --pipeline-parallel-size 2"):
-        ranks_to_start("rtp.entrypoints.serve", args)
+        plan_launch("rtp.entrypoints.serve", args)
 
 
 def test_speculative_config_flag_is_json_and_its_errors_name_the_key():
@@ -125,7 +135,7 @@ def test_speculative_config_flag_is_json_and_its_errors_name_the_key():
 
 def test_data_parallel_size_local_flag_is_a_cross_check():
     from rtp.errors import RtpError
-    from rtp.launcher import ranks_to_start
+    from rtp.launcher import plan_launch
 
     assert config_of(["-dp", "4", "--data-parallel-size-local", "2"]).parallel.data_parallel_size_local == 2
     assert config_of(["-dp", "4", "-dpl", "1"]).parallel.data_parallel_size_local == 1
@@ -133,8 +143,8 @@ def test_data_parallel_size_local_flag_is_a_cross_check():
         config_of(["-dp", "2", "--data-parallel-size-local", "3"])
     args = serve.parse_args(["-dp", "2", "-dpl", "2"])
     args.nproc_per_node = None
-    assert ranks_to_start("rtp.entrypoints.serve", args) == 2
+    assert plan_launch("rtp.entrypoints.serve", args).nproc == 2
     args = serve.parse_args(["-dp", "2", "-dpl", "1"])  # `rtp serve` is one node: it holds both replicas
     args.nproc_per_node = None
     with pytest.raises(RtpError, match="--data-parallel-size-local 1 and --data-parallel-size 2 disagree"):
-        ranks_to_start("rtp.entrypoints.serve", args)
+        plan_launch("rtp.entrypoints.serve", args)

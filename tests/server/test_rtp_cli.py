@@ -141,8 +141,8 @@ def test_bad_flags_and_configs_fail_before_any_rank_starts(tmp_path):
 
 
 def test_torchrun_arguments_are_built_with_torchs_parser():
-    from rtp.launcher import torchrun_args
+    from rtp.launcher import Launch, torchrun_args
 
-    args = torchrun_args("rtp.entrypoints.serve", 3, ["--port", "0"])
-    assert args.standalone and args.module and args.nproc_per_node == "3"
+    args = torchrun_args("rtp.entrypoints.serve", Launch(3, 75), ["--port", "0"])
+    assert args.standalone and args.module and args.nproc_per_node == "3" and args.shutdown_timeout == 75
     assert args.training_script == "rtp.entrypoints.serve" and args.training_script_args == ["--port", "0"]
