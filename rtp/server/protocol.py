@@ -407,6 +407,7 @@ class ChatCompletionRequest(CommonRequest):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = _unsupported("[] (use tools)", max_length=0)
     response_format: ResponseFormat | None = None
+    chat_template: str | None = _unsupported("the model's own template (leave it out)", max_length=0)
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description='extra chat template variables, e.g. {"enable_thinking": false}')
     echo: bool = Field(default=False, description="when the last message is the assistant's, the reply's content "

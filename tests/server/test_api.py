@@ -609,6 +609,7 @@ BAD_REQUESTS = [
      "structured_outputs.choice"),
     ("completions", {"prompt": "a", "guided_json": {"type": "no-such-type"}}, 400, "guided_json"),
     ("chat/completions", {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    ("chat/completions", {"messages": MSG, "chat_template": "{{ messages }}"}, 400, "chat_template"),  # not ignored
     ("chat/completions", {"messages": MSG, "model": "nope"}, 404, "model"),
     ("completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
     ("completions", {"prompt": "a", "seed": 2**64}, 400, "seed"),
