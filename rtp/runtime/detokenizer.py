@@ -27,8 +27,9 @@ whatever the length of the output so far (a string grown by ``+`` is copied
 whole on every token).
 
 The engine does not pass the EOS or stop token that ends a request to
-:meth:`IncrementalDetokenizer.add` (that token stays in ``token_ids`` but never
-in the text), so this class just decodes what it is given.
+:meth:`IncrementalDetokenizer.add` (that token stays in ``token_ids`` but not
+in the text, unless ``include_stop_str_in_output``, as vLLM's: see
+:meth:`IncrementalDetokenizer.with_text`), so this class just decodes what it is given.
 
 Cost: this runs once per generated token on rank 0 for every running request,
 on the step's critical path, so :class:`TokenDecoder` makes decoding cheap:
@@ -216,6 +217,11 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         """True once a stop string matched."""
         return self.stop_string is not None
+
+    def with_text(self, tokens: list[int], stop_token_last: bool) -> list[int]:
+        """The ``tokens`` to :meth:`add`: where the last one is the stop or EOS token ending the output
+        (``stop_token_last``), it has no text unless include_stop_str_in_output (as vLLM's)."""
+        return tokens[:-1] if stop_token_last and not self._keep_stop else tokens
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Add one generated token; returns (text safe to emit now, stopped by a stop string)."""

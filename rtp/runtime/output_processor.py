@@ -233,7 +233,7 @@ class OutputProcessor:
         detok = smp.detok
         finished = seq.status is _FINISHED
         if detok is not None:
-            for i, token in enumerate(tokens if not finished or seq.finish_reason != "stop" else tokens[:-1]):
+            for i, token in enumerate(detok.with_text(tokens, finished and seq.finish_reason == "stop")):
                 text, stopped = detok.add(token)
                 delta += text
                 if stopped:  # a stop string wins over reaching max_tokens on the same token

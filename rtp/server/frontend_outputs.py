@@ -74,7 +74,7 @@ class FrontendRequest:
             request_out.first_token_time = now
         reason = upd.finish_reason
         delta, detok = "", smp.detok
-        for i, token in enumerate(tokens if reason != "stop" else tokens[:-1]):
+        for i, token in enumerate(detok.with_text(tokens, reason == "stop")):
             text, stopped = detok.add(token)
             delta += text
             if stopped:

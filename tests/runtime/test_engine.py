@@ -162,6 +162,21 @@ def test_detokenize_false_gives_token_ids_only(model_dir):
         SamplingParams(detokenize=False, stop=["x"])
 
 
+def test_a_stop_tokens_text_is_kept_with_include_stop_str_in_output(model_dir):
+    """As vLLM's: the token that stops a request is in its token_ids; its text only with
+    include_stop_str_in_output."""
+    engine = make_engine(model_dir, {})
+    ids = engine.tokenizer.encode("red green blue", add_special_tokens=False)
+    engine.runner.script = {7: ids}
+    stop = ids[len(engine.tokenizer.encode("red", add_special_tokens=False))]  # the first token of " green"
+    rids = [engine.add_request([7], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop],
+                                                   include_stop_str_in_output=keep)) for keep in (False, True)]
+    done = run(engine)
+    upto = ids[: ids.index(stop) + 1]
+    assert [done[r].token_ids for r in rids] == [upto, upto]
+    assert [done[r].text for r in rids] == [engine.tokenizer.decode(upto[:-1]), engine.tokenizer.decode(upto)]
+
+
 def test_stop_reason_names_the_stop_string_or_token(model_dir):
     """vLLM's stop_reason: the stop string that matched (the earliest of several), the stop token id, else None;
     for every sample of an n > 1 request, the request's flat field being sample 0's."""
