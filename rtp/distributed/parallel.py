@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -253,6 +254,20 @@ class ParallelState:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         backend = "nccl" if dev.type == "cuda" else "gloo"
+        try:
+            return cls._join(rank, world_size, local_rank, dev, backend, launcher_pid, timeout_s, pp_size,
+                             data_parallel_size, data_parallel_size_local)
+        except dist.DistStoreError as e:  # a rank that never came: name it rather than the store's key
+            missing = sorted({int(r) for r in re.findall(r"/(\d+)(?=,|$)", str(e))})
+            who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing else "a rank"
+            raise RtpError(f"{who} did not join the process group within {timeout_s:.0f} s (stopped, failed or "
+                           f"never started: its messages, if any, are above; torch: {e})") from None
+
+    @classmethod
+    def _join(cls, rank: int, world_size: int, local_rank: int, dev: torch.device, backend: str, launcher_pid: int,
+              timeout_s: float, pp_size: int, data_parallel_size: int, data_parallel_size_local: int | None
+              ) -> ParallelState:
+        """:meth:`from_env`'s process groups, topology and replica groups."""
         timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)

@@ -1,7 +1,8 @@
 """The watchdog: dead, hung (SIGSTOP) and orphaned ranks, stuck steps with stack dumps, stop() silences it.
 
 The peers here are small subprocesses that map a heartbeat region by name,
-so every case runs in a second or two without torchrun.
+so every case runs in a second or two without torchrun (but the last: three ranks under torchrun, one of which
+never joins).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from rtp.distributed.heartbeat import Heartbeat
 from rtp.distributed.liveness import PARENT_DEATH_SIGNAL, Failure, Watchdog, kill_hung, pid_alive
 from rtp.distributed.shm_segment import make_segment_name, map_segment
-from tests.utils import REPO
+from tests.utils import REPO, torchrun
 
 TIMEOUT_S = 1.5  # liveness timeout of these tests (short, with room for a loaded machine)
 INTERVAL_S = 0.05  # heartbeat interval
@@ -265,3 +266,25 @@ def test_exit_deadline_ends_a_blocked_teardown_with_its_stacks_and_passes_a_quic
     assert "the test teardown did not finish within 1 s" in proc.stderr, proc.stderr
     assert "in stuck_teardown" in proc.stderr, proc.stderr  # the main thread's stack, where it blocked
     assert time.monotonic() - t0 < 30
+
+
+def test_a_rank_that_never_joins_is_named(tmp_path):
+    """A rank lost before it joins the process group (stopped, failed, or a node that never came): the others'
+    join timeout names it instead of ending in the store's traceback ("wait timeout ..., keys: /default_pg/...")."""
+    script = tmp_path / "join.py"
+    script.write_text(
+        "import os, sys\n"
+        "from rtp.distributed.parallel import ParallelState\n"
+        "from rtp.errors import RtpError\n"
+        "if os.environ['RANK'] == '2':\n"
+        "    sys.exit(0)\n"
+        "try:\n"
+        "    ParallelState.from_env('cpu', timeout_s=3)\n"
+        "except RtpError as e:\n"
+        f"    open(f'{tmp_path}/error' + os.environ['RANK'], 'w').write(str(e))\n"
+        "    sys.exit(3)\n")
+    out = torchrun(script, 3, check=False, timeout=120)
+    assert out.returncode != 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for rank in (0, 1):
+        message = (tmp_path / f"error{rank}").read_text()
+        assert message.startswith("rank 2 did not join the process group within 3 s"), message
