@@ -75,7 +75,7 @@ class EngineClient:
 
     def __init__(self, sock: socket.socket, info: ModelInfo, limits: dict[str, int],
                  replicas: list[socket.socket] | None = None, router: PrefixRouter | None = None,
-                 names: list[str] | None = None) -> None:
+                 names: list[str] | None = None, beat_interval_s: float | None = None) -> None:
         self.conns = [_EngineConn(i, s) for i, s in enumerate([sock, *(replicas or [])])]
         self._names = ["the engine process (rank 0)", *(names or [])]  # "... is gone"
         self.router = router
@@ -101,6 +101,7 @@ class EngineClient:
         self._thread: threading.Thread | None = None
         self._started = False
         self._stopping = False
+        self._beat_interval_s = beat_interval_s  # None: no BEAT frames (an engine that watches none)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -135,6 +136,16 @@ class EngineClient:
             conn.sock.setblocking(False)
             self._loop.add_reader(conn.sock.fileno(), self._on_readable, conn)
         self._started = True
+        self._beat()
+
+    def _beat(self) -> None:
+        """Tell the engines this frontend's event loop runs (a hung one, SIGSTOPped say, is killed), again and
+        again until the loop ends."""
+        if self._beat_interval_s is None or self._loop is None or self.failure is not None:
+            return
+        for conn in self.conns:
+            self._send(conn, frame(Kind.BEAT))
+        self._loop.call_later(self._beat_interval_s, self._beat)
 
     def send_ready(self) -> None:
         """Tell the engines this frontend accepts connections."""

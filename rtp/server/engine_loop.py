@@ -50,6 +50,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from rtp.distributed.heartbeat import interval_for
 from rtp.distributed.liveness import exit_deadline
 from rtp.errors import RequestError, WorkerDiedError
 from rtp.log import get_logger
@@ -116,7 +117,7 @@ class EngineLoop:
             "server": _server_dict(cfg), "model_dir": str(engine.model_dir), "vocab_size": info.vocab_size,
             "max_model_len": info.max_model_len, "name": info.name, "sampling_defaults": info.sampling_defaults,
             "access_log": self.access_log,
-            "log_level": cfg.log_level,
+            "log_level": cfg.log_level, "beat_interval_s": interval_for(cfg.liveness.timeout_s),
             "limits": {"block_size": runner.block_size, "num_blocks": runner.num_blocks,
                        "max_num_seqs": cfg.scheduler.max_num_seqs,
                        "max_num_batched_tokens": runner.max_num_batched_tokens,
@@ -357,9 +358,13 @@ class EngineLoop:
     # ---- failures and stops ----
 
     def _check_procs(self) -> None:
+        now, timeout = time.monotonic(), self.runtime.config.liveness.timeout_s
         for link in self.links:
             if not link.closed and (code := link.returncode()) is not None:
                 self._lost(link, f"exited with code {code}")
+            elif not link.closed and link.ready and now - link.last_heard > timeout:
+                self._lost(link, f"sent nothing for {now - link.last_heard:.0f} s (hung: killed)")
+                link.kill()
 
     def _lost(self, link: FrontendLink, why: str) -> None:
         """A frontend is gone: its requests are aborted in the engine; unless stopping anyway, stop the server."""

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         num = len(replicas) + 1
         router = (RoundRobinRouter(num) if server_cfg.data_parallel_routing == "round_robin"
                   else PrefixRouter(num, limits["block_size"], limits["num_blocks"]))
-    client = EngineClient(engine_sock, info, limits, replicas, router, names=who)
+    client = EngineClient(engine_sock, info, limits, replicas, router, names=who,
+                          beat_interval_s=hello["beat_interval_s"])
     app = build_app(client, RtpConfig(server=server_cfg), info)
     route_uvicorn_logs()
     uv_config = uvicorn.Config(app, log_config=None, access_log=bool(hello["access_log"]), lifespan="on",

@@ -78,6 +78,7 @@ class FrontendLink:
         sock.settimeout(send_timeout_s)  # a frontend that reads nothing for this long is hung
         self.reader = FrameReader()
         self.ready = False
+        self.last_heard = time.monotonic()  # when a frame last came (a ready frontend beats: frontend_wire.BEAT)
         self.closed = False
         self.live: dict[int, str] = {}  # handle -> engine request id, of the requests in the engine
         self.prompt_logprobs_sent: set[int] = set()
@@ -152,6 +153,7 @@ class FrontendLink:
             return None
         if not data:
             return None
+        self.last_heard = time.monotonic()
         return self.reader.feed(data)
 
     def flush(self, stats: dict[str, float]) -> bool:

@@ -13,6 +13,7 @@ ABORT      frontend -> engine   u32 handles of requests to abort
 OUTPUTS    engine -> frontend   a :class:`StepOutputs`: every changed request of one step
 FAIL       engine -> frontend   UTF-8: the runtime failed; every stream ends with this error
 SHUTDOWN   engine -> frontend   empty: stop gracefully (the server received SIGTERM)
+BEAT       frontend -> engine   empty: the frontend's event loop runs (every HELLO's ``beat_interval_s``)
 =========  ===================  ==============================================================
 
 A request is known on the wire by a ``handle``, a u32 its frontend chose; the
@@ -59,6 +60,7 @@ class Kind(IntEnum):
     OUTPUTS = 5
     FAIL = 6
     SHUTDOWN = 7
+    BEAT = 8
 
 
 def frame(kind: Kind, payload: bytes | bytearray | memoryview = b"") -> bytes:

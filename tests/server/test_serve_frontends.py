@@ -222,6 +222,31 @@ def test_a_killed_frontend_ends_the_server_with_nothing_left(server):
     assert not list(Path("/tmp").glob(f"rtp_metrics_{server.rank0_pid}_*"))
 
 
+def test_a_hung_frontend_is_killed_and_ends_the_server(tmp_path):
+    """A frontend stopped (SIGSTOP) keeps its socket open and, with light traffic, never fills it: its missing
+    BEATs tell rank 0, which kills it and stops the server within liveness_timeout_s (it hung for ever)."""
+    config = tmp_path / "cpu.yaml"
+    config.write_text(f"model: {default_model_dir()}\ndevice: cpu\ndtype: float32\nblock_size: 16\n"
+                      "cpu_kv_cache_gib: 0.25\nliveness_timeout_s: 3\nserver:\n  api_processes: 1\n")
+    server = launch(tmp_path, "hung", config)
+    try:
+        wait_ready(server)
+        assert post(server.url, {"prompt": "Hi", "max_tokens": 2}, headers={}).status_code == 200
+        ranks = [server.rank0_pid, *_other_ranks(server)]
+        (frontend,) = frontend_pids(server.rank0_pid)
+        t0 = time.monotonic()
+        os.kill(frontend, signal.SIGSTOP)
+        rc = server.proc.wait(30)
+        elapsed = time.monotonic() - t0
+        log = server.text()
+        assert rc != 0 and elapsed < 3 + 10, (rc, elapsed, log[-3000:])
+        assert f"API frontend 0 (pid {frontend}) sent nothing for" in log, log[-3000:]
+        assert not any(pid_alive(p) for p in [*ranks, frontend])
+        assert shm_segments(server.rank0_pid) == []
+    finally:
+        kill(server)
+
+
 def _other_ranks(server: Server) -> list[int]:
     from tests.utils import rank_pids
 
