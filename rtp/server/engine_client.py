@@ -138,6 +138,15 @@ class EngineClient:
         self._started = True
         self._beat()
 
+    def say_goodbye(self) -> None:
+        """After a graceful stop: tell every engine (a replica on another node stops with it, not as if this
+        frontend had died)."""
+        for conn in self.conns:
+            try:
+                conn.sock.send(frame(Kind.SHUTDOWN))
+            except OSError:
+                pass
+
     def _beat(self) -> None:
         """Tell the engines this frontend's event loop runs (a hung one, SIGSTOPped say, is killed), again and
         again until the loop ends."""

@@ -252,6 +252,9 @@ class EngineLoop:
                         self._abort(link, handle)
                 elif kind == Kind.READY:
                     link.ready = True
+                elif kind == Kind.SHUTDOWN and not self.stopping:  # it stopped gracefully: so does this replica
+                    logger.info("API frontend %d stopped: stopping", link.index)
+                    self._begin_stop()
         if any(link.pending.errors for link in self.links):  # refused now: answer without waiting for a step
             self._flush_errors()
         self._take_signals()

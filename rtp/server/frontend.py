@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     freeze_startup_heap(f"API frontend {args.index}")
     try:
         server.run(sockets=[listen])
+        if exit_code == 0:
+            client.say_goodbye()
     finally:
         listen.close()
         engine_sock.close()

@@ -12,7 +12,8 @@ ADD        frontend -> engine   an :class:`EngineRequest`: JSON head, then the p
 ABORT      frontend -> engine   u32 handles of requests to abort
 OUTPUTS    engine -> frontend   a :class:`StepOutputs`: every changed request of one step
 FAIL       engine -> frontend   UTF-8: the runtime failed; every stream ends with this error
-SHUTDOWN   engine -> frontend   empty: stop gracefully (the server received SIGTERM)
+SHUTDOWN   both ways            empty: stop gracefully (the server received SIGTERM); from a frontend: it
+                                stopped gracefully (another node's replica, which got no signal, stops too)
 BEAT       frontend -> engine   empty: the frontend's event loop runs (every HELLO's ``beat_interval_s``)
 =========  ===================  ==============================================================
 

@@ -107,3 +107,32 @@ def test_a_signal_after_a_rank_was_lost_fails_the_frontends_instead_of_draining_
         loop._stop_bound.close()
         for s in (ours, theirs, loop._wake_r, loop._wake_w):
             s.close()
+
+
+def test_a_frontend_that_stops_gracefully_stops_the_replica_with_exit_code_0():
+    """Another node's replica gets no SIGTERM when node 0's server stops: its frontends say SHUTDOWN before they
+    close, and it stops as gracefully (a closed connection alone was a dead frontend: exit code 1)."""
+    import socket
+    from types import SimpleNamespace
+
+    from rtp.server.engine_loop import EngineLoop
+    from rtp.server.frontend_procs import FrontendLink
+    from rtp.server.frontend_wire import Kind, frame
+
+    server = SimpleNamespace(shutdown_grace_s=4.0, log_stats_interval_s=0.0)
+    runtime = SimpleNamespace(engine=None, config=SimpleNamespace(server=server, liveness=SimpleNamespace(
+        timeout_s=5.0)), report_lost_peer=lambda: False)
+    loop = EngineLoop(runtime, None, 1, "", False)  # type: ignore[arg-type]
+    ours, theirs = socket.socketpair()
+    loop.links = [FrontendLink(0, None, ours, 5.0, pid=os.getpid())]
+    try:
+        theirs.sendall(frame(Kind.SHUTDOWN))
+        theirs.close()
+        loop._poll(2.0)
+        assert loop.stopping and loop.exit_code == 0
+        loop._poll(2.0)
+        assert loop.links[0].closed and loop.exit_code == 0
+    finally:
+        loop._stop_bound.close()
+        for s in (ours, loop._wake_r, loop._wake_w):
+            s.close()
