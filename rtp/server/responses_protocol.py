@@ -33,12 +33,28 @@ from rtp.server.protocol import (
     _unsupported,
 )
 
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
 
 class InputContentPart(_Strict):
-    """A text part of an input message (``input_text``, or ``output_text`` of an earlier answer)."""
+    """A part of an input message: text (``input_text``, or ``output_text`` of an earlier answer) is supported;
+    any other type (``input_image``, ``input_file``) is refused by name."""
 
-    type: Literal["input_text", "output_text", "text"]
-    text: str
+    type: str
+    text: str | None = None
+
+
+def _text(content: str | list[InputContentPart] | None, where: str) -> str:
+    """A message item's content as text; ApiError(400) naming a part that is not text."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type not in _TEXT_PARTS:
+            raise ApiError(400, f"content part of type {part.type!r} is not supported: only text parts "
+                           f"({', '.join(_TEXT_PARTS)})", f"{where}.content.{j}.type")
+        if part.text is None:
+            raise ApiError(400, f'a content part of type "{part.type}" needs its "text"', f"{where}.content.{j}.text")
+    return "".join(p.text or "" for p in content)
 
 
 class InputItem(_Strict):
@@ -170,14 +186,15 @@ class ResponsesRequest(_Strict):
             elif kind == "function_call_output":
                 if not item.call_id or item.output is None:
                     raise ApiError(400, "a function_call_output item needs call_id and output", where)
+                if not any(c["id"] == item.call_id for m in out for c in m.get("tool_calls", [])):
+                    raise ApiError(400, f"function_call_output {item.call_id!r} answers no function_call item "
+                                   "before it", f"{where}.call_id")
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
             else:
                 if item.role is None:
                     raise ApiError(400, "a message item needs a role (user, system, developer or assistant)",
                                    f"{where}.role")
-                content = item.content if isinstance(item.content, str) else "".join(
-                    p.text for p in item.content or [])
-                out.append({"role": item.role, "content": content})
+                out.append({"role": item.role, "content": _text(item.content, where)})
         if not any(m["role"] != "system" for m in out):
             raise ApiError(400, "the input holds no message besides instructions", "input")
         return out

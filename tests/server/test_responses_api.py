@@ -132,6 +132,13 @@ def test_bad_requests_get_400s_naming_the_field(served):
     for body, param in (({"input": ""}, "input"), ({"input": []}, "input"),
                         ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
                         ({"input": [{"content": "no role"}]}, "input.0.role"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "see"},
+                                                                  {"type": "input_image", "image_url": "x"}]}]},
+                         "input.0.content.1.type"),  # text only, said so
+                        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content.0.text"),
+                        ({"input": [{"role": "user", "content": "Hi"},
+                                    {"type": "function_call_output", "call_id": "c9", "output": "x"}]},
+                         "input.1.call_id"),  # answers no call
                         ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id"),
                         ({"input": "a", "max_output_tokens": 0}, "max_output_tokens"),
                         ({"input": "a", "max_output_tokens": 100_000}, "max_output_tokens"),  # over the limit
