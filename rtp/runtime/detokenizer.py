@@ -95,19 +95,32 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF = _byte_level_alphabet()
 
 
-def token_bytes(tokenizer: Any, token_id: int) -> bytes:  # noqa: ANN401
-    """The UTF-8 bytes a token stands for, also where they are only part of a character (OpenAI's logprob
-    ``bytes``): read from a byte-level vocabulary's token string (Qwen's, GPT-2's) or a ``<0xNN>`` byte-fallback
-    token; else the token's decoded text (U+FFFD for a partial character)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if isinstance(piece, str) and token_id not in getattr(tokenizer, "added_tokens_decoder", {}):
-        if backend is not None and isinstance(backend.decoder, decoders.ByteLevel) and all(c in _BYTE_OF
-                                                                                          for c in piece):
-            return bytes(_BYTE_OF[c] for c in piece)
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            return bytes.fromhex(piece[3:5])
-    return tokenizer.decode([token_id]).encode()
+class TokenBytes:
+    """Token id -> the UTF-8 bytes the token stands for, also where they are only part of a character (OpenAI's
+    logprob ``bytes``): read from a byte-level vocabulary's token string (Qwen's, GPT-2's) or a ``<0xNN>``
+    byte-fallback token; else the token's decoded text (U+FFFD for a partial character). Remembered per id."""
+
+    def __init__(self, tokenizer: Any) -> None:  # noqa: ANN401
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._tokenizer = tokenizer
+        self._byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", {}))  # their text is themselves
+        self._memo: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        found = self._memo.get(token_id)
+        if found is None:
+            found = self._memo[token_id] = self._bytes(token_id)
+        return found
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and token_id not in self._added:
+            if self._byte_level and all(c in _BYTE_OF for c in piece):
+                return bytes(_BYTE_OF[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes.fromhex(piece[3:5])
+        return self._tokenizer.decode([token_id]).encode()
 
 
 class TokenDecoder:

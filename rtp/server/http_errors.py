@@ -49,9 +49,13 @@ def lone_surrogate(body: bytes, data: Any) -> tuple[Any, ...] | None:  # noqa: A
                 value.encode()
             except UnicodeEncodeError:
                 return loc
-        elif isinstance(value, (dict, list)):
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            stack.extend(((*loc, k), v) for k, v in reversed(list(items)))
+        elif isinstance(value, dict):
+            for k, v in reversed(list(value.items())):
+                # A key is text too (a tool's parameter names reach the prompt); its place is named escaped.
+                shown = k.encode(errors="backslashreplace").decode()
+                stack += [((*loc, shown), v), ((*loc, shown), k)]
+        elif isinstance(value, list):
+            stack.extend(((*loc, i), v) for i, v in reversed(list(enumerate(value))))
     return None
 
 

@@ -408,6 +408,8 @@ class ChatCompletionRequest(CommonRequest):
     functions: list[Any] | None = _unsupported("[] (use tools)", max_length=0)
     response_format: ResponseFormat | None = None
     chat_template: str | None = _unsupported("the model's own template (leave it out)", max_length=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20, description="the prompt tokens' logprobs, in the "
+                                        "response's top-level prompt_logprobs (vLLM's; not with stream)")
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description='extra chat template variables, e.g. {"enable_thinking": false}')
     echo: bool = Field(default=False, description="when the last message is the assistant's, the reply's content "
@@ -439,6 +441,8 @@ class ChatCompletionRequest(CommonRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.stream and self.prompt_logprobs:
+            raise ApiError(400, "prompt_logprobs are not available with stream: true (as vLLM's)", "prompt_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
             raise ApiError(400, "continue_final_message continues the last message: send add_generation_prompt "
                                 "false with it", "continue_final_message")

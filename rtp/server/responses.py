@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from rtp.outputs import CompletionOutput, RequestOutput
-from rtp.runtime.detokenizer import token_bytes
+from rtp.runtime.detokenizer import TokenBytes
 from rtp.server.chat_output import ChatOutput
 
 
@@ -53,12 +53,13 @@ class ResponseBuilder:
         self.created = int(time.time())
         self._text_offset = 0  # completions logprobs: characters of the tokens already reported
         self._chars = _utf8_chars()  # their bytes -> the characters they complete (a token may hold part of one)
+        self._bytes = TokenBytes(tokenizer)
         self.index = 0  # the choice index this builder writes
         # Completions: the prompt text to echo before the completion; chat: the assistant's last message.
         self.echo: str | None = None
         self.continuous_usage = False  # every stream chunk carries the usage so far
         self._echo_sent = False
-        self.prompt_logprobs: int | None = None  # completions: how many top tokens prompt_logprobs name
+        self.prompt_logprobs: int | None = None  # how many top tokens prompt_logprobs name
         self._prompt_logprobs_sent = False
         self.prompt_only = False  # completions' echo with max_tokens 0: the generated token is left out
 
@@ -141,7 +142,7 @@ class ResponseBuilder:
             top = None if entry is None else self._top_dict(entry, tid)
             top_logprobs.append(top)
             offsets.append(offset)
-            offset += len(chars.decode(token_bytes(self.tokenizer, tid)))
+            offset += len(chars.decode(self._bytes(tid)))
         return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                  "text_offset": offsets}, offset)
 
@@ -178,7 +179,7 @@ class ResponseBuilder:
             token_logprobs.append(self._finite(entry.get(tid)))
             top_logprobs.append(self._top_dict(entry, tid))
             offsets.append(self._text_offset)
-            self._text_offset += len(self._chars.decode(token_bytes(self.tokenizer, tid)))
+            self._text_offset += len(self._chars.decode(self._bytes(tid)))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
@@ -187,10 +188,10 @@ class ResponseBuilder:
         ``start:``: chat's ``logprobs.content``, and the Responses API's ``output_text.logprobs``."""
         content = []
         for tid, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
-            top = [{"token": self._token(k), "logprob": self._finite(v), "bytes": list(token_bytes(self.tokenizer, k))}
+            top = [{"token": self._token(k), "logprob": self._finite(v), "bytes": list(self._bytes(k))}
                    for k, v in self._top(entry)]
             content.append({"token": self._token(tid), "logprob": self._finite(entry.get(tid)),
-                            "bytes": list(token_bytes(self.tokenizer, tid)), "top_logprobs": top})
+                            "bytes": list(self._bytes(tid)), "top_logprobs": top})
         return content
 
     # ---- bodies ----
@@ -203,6 +204,8 @@ class ResponseBuilder:
             builders = [self.for_choice(c.index) for c in out.samples]
             choices = [b._full_choice(c, out) for b, c in zip(builders, out.samples)]
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        if self.chat and self.prompt_logprobs is not None:  # vLLM's: the request's, beside the choices
+            body["prompt_logprobs"] = self._prompt_logprobs(out)
         body["usage"] = self.usage(out)
         return body
 

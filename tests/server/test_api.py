@@ -579,6 +579,9 @@ BAD_REQUESTS = [
     ("completions", b'{"prompt": "a", "stop": "\xed\xa0\x80"}', 400, "stop"),  # the same, as raw bytes
     ("completions", b'{"prompt": "\\ud83d\\ude80 \\\\ud800", "max_tokens": 2}', 200, None),  # a pair; no escape
     ("chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages.0.content"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", '
+     b'"function": {"name": "f", "parameters": {"properties": {"\\ud800": {}}}}}]}', 400,
+     "tools.0.function.parameters.properties.\\ud800"),  # a key: named escaped
     ("completions", {"prompt": 5}, 400, "prompt"),
     ("completions", {"prompt": ["a", [1, 2]]}, 400, "prompt"),  # a list of prompts is all texts or all ids
     ("completions", {"prompt": [1, "b"]}, 400, "prompt"),

@@ -77,6 +77,26 @@ def test_echo_logprobs_equal_hf_log_softmax(client, model):
 
 
 @pytest.mark.timeout(300)
+def test_chat_prompt_logprobs_are_the_templated_prompts_as_hf(client, model):
+    """vLLM's chat prompt_logprobs: the response's, beside the choices, for the prompt the chat template made
+    (refused with stream: true, as vLLM's)."""
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    messages = [{"role": "user", "content": PROMPT}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 1})
+    plp = r.model_extra["prompt_logprobs"]
+    assert r.usage.prompt_tokens == len(ids) == len(plp) and plp[0] is None
+    for i in range(1, len(ids)):
+        assert abs(plp[i][str(ids[i])]["logprob"] - ref[i - 1, ids[i]].item()) < 1e-4
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=2, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+
+
 def test_prompt_logprobs_equal_hf_and_top_logprobs_name_the_sampled_token(client, model):
     model_dir = default_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -75,6 +75,7 @@ class GenerationRoutes:
                                 tool_name=tool_name)
         build = ResponseBuilder("chat.completion", rid, ctx.model_name, ctx.tokenizer, len(ids),
                                 req.num_logprobs(), output)
+        build.prompt_logprobs = req.prompt_logprobs
         if req.echo and req.messages[-1].role == "assistant":  # as vLLM: only the reply's own role is echoed
             build.echo = req.messages[-1].text(len(req.messages) - 1)
         return await ctx.respond(request, req, stream, ids, build)
