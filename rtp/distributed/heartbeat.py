@@ -18,12 +18,14 @@ room for the rest (30 s in the GPU configs).
 The region also carries what the stuck-step check needs: the number of the
 last step each rank started and finished, whether it is blocked waiting for
 its peers in a collective, and a stack-dump request that rank 0 raises and
-every rank's heartbeat thread answers (see :meth:`Heartbeat.request_dump`).
+every rank's heartbeat thread answers (see :meth:`Heartbeat.request_dump`), and, with several nodes, a node's
+request that the run stop (its ranks got SIGTERM from their own torchrun, not rank 0: see
+:meth:`Heartbeat.request_stop`).
 
 Layout: signed 64-bit words, one 64-byte cache line for the header and one per
 rank, so no two ranks ever write the same line::
 
-    header      magic | world_size | dump_seq | dump_step | unused x4
+    header      magic | world_size | dump_seq | dump_step | stop_node | unused x3
     slot[r]     pid | beats | beat_ns | step_started | step_done | step_started_ns | waiting | dump_ack
 
 Each slot is written by its own rank only (another node's rank: by this
@@ -59,7 +61,7 @@ logger = get_logger(__name__)
 _WORDS = 8  # 64-bit words per cache line
 _MAGIC = 0x52_54_50_48_42_45_41_54  # "RTPHBEAT"
 # header words
-_H_MAGIC, _H_WORLD, _H_DUMP_SEQ, _H_DUMP_STEP = 0, 1, 2, 3
+_H_MAGIC, _H_WORLD, _H_DUMP_SEQ, _H_DUMP_STEP, _H_STOP_NODE = 0, 1, 2, 3, 4
 # slot words
 _PID, _BEATS, _BEAT_NS, _STARTED, _DONE, _STARTED_NS, _WAITING, _DUMP_ACK = range(8)
 
@@ -201,6 +203,18 @@ class Heartbeat:
     def waiting(self, rank: int) -> bool:
         return bool(self._q[_WORDS * (1 + rank) + _WAITING])
 
+    # ------------------------------------------------------------ a stop asked by another node
+
+    def request_stop(self, node: int) -> None:
+        """A rank of ``node`` (not rank 0's) got SIGTERM: ask rank 0, through the relays, to stop the run as
+        if it had got it (its own torchrun did not)."""
+        self._q[_H_STOP_NODE] = node + 1
+
+    def stop_requested(self) -> int | None:
+        """The node that asked the run to stop (:meth:`request_stop`), or None."""
+        node = self._q[_H_STOP_NODE]
+        return node - 1 if node else None
+
     # ------------------------------------------------------------ stack dumps
 
     def request_dump(self, step: int) -> int:
@@ -267,6 +281,7 @@ class HeartbeatRelay:
         words = [q[_WORDS * (1 + r) + w] for r in self.ranks_by_node[self.node] for w in _RELAYED]
         if self.node == 0:
             words += [q[w] for w in _RELAYED_HEADER]
+        words.append(q[_H_STOP_NODE])  # every node's, last
         self.store.set(self._keys[self.node], ",".join(map(str, words)))
 
     def pull(self) -> None:
@@ -284,8 +299,10 @@ class HeartbeatRelay:
                     q[base + _STARTED_NS] = now
                 for w, v in zip(_RELAYED, slot):
                     q[base + w] = v
+            if words[-1] and not q[_H_STOP_NODE]:
+                q[_H_STOP_NODE] = words[-1]
             if n == 0:
-                seq, step = words[-2:]
+                seq, step = words[-3:-1]
                 if seq > q[_H_DUMP_SEQ]:
                     q[_H_DUMP_STEP] = step
                     q[_H_DUMP_SEQ] = seq

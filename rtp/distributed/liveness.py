@@ -175,6 +175,10 @@ class Watchdog:
         self._starts = {r: start_time(pid) for r, pid in self.peers.items()}
         self.on_failure = on_failure  # replaceable: the runtime takes over from the startup handler
         self.heartbeat, self.parent_pid = heartbeat, parent_pid
+        # Rank 0: called once (this thread) with the node whose ranks got SIGTERM from their own torchrun, not
+        # rank 0's (Heartbeat.request_stop); it stops the run as a SIGTERM here would.
+        self.on_stop_request: Callable[[int], None] | None = None
+        self._stop_passed_on = False
         self.step_timeout_s, self.interval_s, self.dump_wait_s = step_timeout_s, interval_s, dump_wait_s
         self.failure: Failure | None = None  # the first failure reported
         self._lock = threading.Lock()
@@ -342,6 +346,11 @@ class Watchdog:
             if now - last > stall_s and hb is not None:
                 judge_from = now + 2 * hb.interval_s + self.interval_s
             last = now
+            if self.on_stop_request is not None and hb is not None and not self._stop_passed_on:
+                node = hb.stop_requested()
+                if node is not None:
+                    self._stop_passed_on = True
+                    self.on_stop_request(node)
             failure = self._orphaned() or self.check_peers(heartbeats=now >= judge_from)
             if failure is None:
                 failure = self._stuck_step()

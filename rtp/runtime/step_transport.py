@@ -183,6 +183,14 @@ class StepTransport:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._old_handlers[signum] = signal.signal(signum, on_signal)
+        self.watchdog.on_stop_request = self._stop_for_node
+
+    def _stop_for_node(self, node: int) -> None:
+        """Another node's ranks got SIGTERM (the watchdog's thread): this process takes it too, unless it already
+        got a stop signal (a second one would not wait for the running step)."""
+        if self.stop_signal is None:
+            logger.warning("node %d's ranks got SIGTERM: stopping the run as for a SIGTERM to rank 0", node)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     # ---- teardown ----
 

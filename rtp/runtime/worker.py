@@ -99,8 +99,14 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str | None,
             return reader.read(should_abort=lost)
 
     # On SIGTERM (torchrun forwards it to every rank) keep serving until rank 0's
-    # SHUTDOWN arrives, so a clean stop stays clean; the watchdog covers rank 0 dying.
-    signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM: waiting for rank 0 to shut down"))
+    # SHUTDOWN arrives, so a clean stop stays clean; the watchdog covers rank 0 dying. On another node than
+    # rank 0's, only this node's torchrun may have been signalled: ask rank 0 (through the relays) to stop.
+    def on_sigterm(*_: object) -> None:
+        if ps.node_rank != 0:
+            heartbeat.request_stop(ps.node_rank)
+        logger.info("SIGTERM: waiting for rank 0 to shut down")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         while True:

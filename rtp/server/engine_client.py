@@ -102,6 +102,8 @@ class EngineClient:
         self._started = False
         self._stopping = False
         self._beat_interval_s = beat_interval_s  # None: no BEAT frames (an engine that watches none)
+        self._send_lock = threading.Lock()  # the loop's writes and the beat thread's
+        self.told_to_stop = False  # rank 0's engine sent SHUTDOWN (the server stops gracefully)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -136,25 +138,40 @@ class EngineClient:
             conn.sock.setblocking(False)
             self._loop.add_reader(conn.sock.fileno(), self._on_readable, conn)
         self._started = True
-        self._beat()
+        if self._beat_interval_s is not None:
+            threading.Thread(target=self._beat, args=(self._beat_interval_s,), name="rtp-frontend-beat",
+                             daemon=True).start()
 
     def say_goodbye(self) -> None:
-        """After a graceful stop: tell every engine (a replica on another node stops with it, not as if this
-        frontend had died)."""
-        for conn in self.conns:
+        """After a graceful stop that rank 0 asked for: tell the other replicas' engines, which got no signal (on
+        another node), that this frontend stopped, not died. The event loop has ended: blocking writes."""
+        for conn in self.conns[1:]:
             try:
-                conn.sock.send(frame(Kind.SHUTDOWN))
+                conn.sock.settimeout(1.0)
+                conn.sock.sendall(bytes(conn.out) + frame(Kind.SHUTDOWN))
             except OSError:
                 pass
 
-    def _beat(self) -> None:
-        """Tell the engines this frontend's event loop runs (a hung one, SIGSTOPped say, is killed), again and
-        again until the loop ends."""
-        if self._beat_interval_s is None or self._loop is None or self.failure is not None:
-            return
-        for conn in self.conns:
-            self._send(conn, frame(Kind.BEAT))
-        self._loop.call_later(self._beat_interval_s, self._beat)
+    def _beat(self, interval_s: float) -> None:
+        """A thread: tell the engines every ``interval_s`` that this process runs (one stopped or hung is killed);
+        a thread, so that a long piece of work on the event loop (a big response body) does not pass for a hang.
+        A beat waits while the loop has bytes queued for that engine (it must not land inside a frame)."""
+        beat = frame(Kind.BEAT)
+        while self.failure is None:
+            for conn in self.conns:
+                with self._send_lock:
+                    if conn.out:
+                        continue
+                    try:
+                        sent = conn.sock.send(beat)
+                    except OSError:  # full (the engine reads nothing) or gone: the engine tells either
+                        continue
+                    if sent < len(beat):  # (a nearly full buffer) the rest goes out before anything else
+                        conn.out += beat[sent:]
+                        assert self._loop is not None
+                        self._loop.call_soon_threadsafe(self._loop.add_writer, conn.sock.fileno(),
+                                                        self._on_writable, conn)
+            time.sleep(interval_s)
 
     def send_ready(self) -> None:
         """Tell the engines this frontend accepts connections."""
@@ -251,31 +268,33 @@ class EngineClient:
     # ---- the sockets (event loop) ----
 
     def _send(self, conn: _EngineConn, data: bytes) -> None:
-        if conn.out:
-            conn.out += data
-            return
-        try:
-            sent = conn.sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            return  # the engine is gone: the reader sees EOF
-        if sent < len(data):
-            conn.out += data[sent:]
-            assert self._loop is not None
-            self._loop.add_writer(conn.sock.fileno(), self._on_writable, conn)
+        with self._send_lock:
+            if conn.out:
+                conn.out += data
+                return
+            try:
+                sent = conn.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                return  # the engine is gone: the reader sees EOF
+            if sent < len(data):
+                conn.out += data[sent:]
+                assert self._loop is not None
+                self._loop.add_writer(conn.sock.fileno(), self._on_writable, conn)
 
     def _on_writable(self, conn: _EngineConn) -> None:
-        try:
-            sent = conn.sock.send(conn.out)
-        except BlockingIOError:
-            return
-        except OSError:
-            sent = len(conn.out)
-        del conn.out[:sent]
-        if not conn.out:
-            assert self._loop is not None
-            self._loop.remove_writer(conn.sock.fileno())
+        with self._send_lock:
+            try:
+                sent = conn.sock.send(conn.out)
+            except BlockingIOError:
+                return
+            except OSError:
+                sent = len(conn.out)
+            del conn.out[:sent]
+            if not conn.out:
+                assert self._loop is not None
+                self._loop.remove_writer(conn.sock.fileno())
 
     def _name(self, conn: _EngineConn) -> str:
         if conn.index < len(self._names):
@@ -302,6 +321,7 @@ class EngineClient:
                 message = bytes(payload).decode()
                 self._dead(message if len(self.conns) == 1 else f"replica {conn.index}: {message}")
             elif kind == Kind.SHUTDOWN:
+                self.told_to_stop = self.told_to_stop or conn.index == 0
                 if not self._stopping:
                     self._stopping = True
                     for hook in self.on_shutdown:

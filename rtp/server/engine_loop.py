@@ -92,6 +92,7 @@ class EngineLoop:
         self.stopping = False
         self._signals = 0
         self._signals_in: list[int] = []  # noted by the signal handler, taken by the loop
+        self._node_stop: int | None = None  # another node whose ranks got SIGTERM (the watchdog tells)
         self._stop_bound = contextlib.ExitStack()  # from a stop's start: its exit deadline
         self._stop_deadline = float("inf")
         self._wake_r, self._wake_w = socket.socketpair()
@@ -128,6 +129,7 @@ class EngineLoop:
         self.runtime.on_failure.append(self._on_runtime_failure)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        self.runtime.transport.watchdog.on_stop_request = self._stop_for_node
         try:
             if self.accept_on is not None:
                 self._accept_frontends(hello)
@@ -252,8 +254,10 @@ class EngineLoop:
                         self._abort(link, handle)
                 elif kind == Kind.READY:
                     link.ready = True
-                elif kind == Kind.SHUTDOWN and not self.stopping:  # it stopped gracefully: so does this replica
-                    logger.info("API frontend %d stopped: stopping", link.index)
+                elif kind == Kind.SHUTDOWN and self.accept_on is not None and not self.stopping:
+                    # Another replica: rank 0 stopped the server gracefully (this replica got no signal if it is
+                    # on another node). Rank 0 stops only on its own signals: a frontend that goes is lost.
+                    logger.info("API frontend %d stopped with the server: stopping", link.index)
                     self._begin_stop()
         if any(link.pending.errors for link in self.links):  # refused now: answer without waiting for a step
             self._flush_errors()
@@ -419,10 +423,20 @@ class EngineLoop:
         self._signals_in.append(signum)
         self._wake()
 
+    def _stop_for_node(self, node: int) -> None:
+        """Another node's ranks got SIGTERM (the watchdog's thread): stop as for a first SIGTERM here, without
+        counting it as one (this node's own SIGTERM may follow: it must not cut the drain short)."""
+        self._node_stop = node
+        self._wake()
+
     def _take_signals(self) -> None:
         """Act on the signals the handler noted: the first stops gracefully, a second at once. A signal that
         finds a rank already gone (torchrun stops the other ranks when one dies) is that rank's loss: the
         frontends get FAIL naming it (through the runtime's failure hook), not a graceful SHUTDOWN."""
+        if self._node_stop is not None and not self.stopping and self.failure is None:
+            logger.warning("node %d's ranks got SIGTERM: running requests have %.0f s to finish", self._node_stop,
+                           self.grace_s)
+            self._begin_stop()
         while self._signals_in:
             signum = self._signals_in.pop(0)
             self._signals += 1

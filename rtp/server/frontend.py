@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     freeze_startup_heap(f"API frontend {args.index}")
     try:
         server.run(sockets=[listen])
-        if exit_code == 0:
+        if exit_code == 0 and client.told_to_stop:
             client.say_goodbye()
     finally:
         listen.close()

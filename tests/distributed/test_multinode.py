@@ -91,7 +91,7 @@ class TwoNodes:
     def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None, nproc: int = 2,
                  script: str = "launch/generate.py", node0_args: tuple[str, ...] | None = None) -> None:
         """``node0_args`` (default: ``--output out0.jsonl``) go to node 0's ranks only."""
-        port = free_port()
+        self.port = port = free_port()
         common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
                   "--master-addr", "127.0.0.1", "--master-port", str(port)]
         full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
@@ -135,6 +135,15 @@ class TwoNodes:
         ps = subprocess.run(["ps", "--ppid", str(self.procs[1].pid), "-o", "pid="], capture_output=True, text=True)
         for pid in map(int, ps.stdout.split()):
             os.kill(pid, signal.SIGKILL)
+
+    def signal_node1_agent(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to node 1's torchrun agent alone (as a scheduler stopping that node would)."""
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True)  # whole lines
+        agents = [int(line.split()[0]) for line in ps.stdout.splitlines()
+                  if "torch.distributed.run" in line and f"--master-port {self.port}" in line
+                  and "--node-rank 1" in line and "unshare" not in line and "bash" not in line]
+        assert len(agents) == 1, [line for line in ps.stdout.splitlines() if "node-rank" in line]
+        os.kill(agents[0], sig)
 
     def kill_node0(self) -> None:
         """SIGKILL node 0's torchrun agent and every rank it started (each rank has a session of its own)."""
@@ -242,6 +251,25 @@ def test_losing_node1_stops_node0(two_nodes, long_job):
     out, pids = _kill_node1_mid_generation(two_nodes(*long_job))
     assert sorted(pids) == [0, 1], pids
     assert re.search(rf"rank [23] \(pid \d+ on host {NODE1}\) was lost: no heartbeat from its node", out), out[-3000:]
+
+
+def test_sigterm_to_node1_alone_stops_the_run_as_a_sigterm_to_rank_0(two_nodes, long_job):
+    """A scheduler that stops node 1 signals node 1's torchrun only: its ranks ask rank 0 (through the heartbeat
+    relays) to stop, and the run ends as for a SIGTERM to rank 0, within seconds (node 1's ranks waited for a
+    shutdown that never came, until torchrun killed them 30 s later and node 0 lost them)."""
+    run = two_nodes(*long_job)
+    run.wait_for(0, "generate:")
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    run.signal_node1_agent(signal.SIGTERM)
+    run.wait(0, BOUND_S + 30)
+    run.wait(1, 30)
+    elapsed = time.monotonic() - t0
+    out = run.output[0]
+    assert elapsed < 10, f"the run took {elapsed:.1f} s to stop:\n{out[-3000:]}\n{run.output[1][-2000:]}"
+    assert "node 1's ranks got SIGTERM: stopping the run as for a SIGTERM to rank 0" in out, out[-3000:]
+    assert "was lost" not in out, out[-3000:]
+    assert "NODE1 rc=" in run.output[1] and "shm=[]" in run.output[1], run.output[1][-2000:]
 
 
 def test_losing_node0_stops_node1(two_nodes, long_job):

@@ -111,7 +111,8 @@ def test_a_signal_after_a_rank_was_lost_fails_the_frontends_instead_of_draining_
 
 def test_a_frontend_that_stops_gracefully_stops_the_replica_with_exit_code_0():
     """Another node's replica gets no SIGTERM when node 0's server stops: its frontends say SHUTDOWN before they
-    close, and it stops as gracefully (a closed connection alone was a dead frontend: exit code 1)."""
+    close, and it stops as gracefully (a closed connection alone was a dead frontend: exit code 1). Rank 0 stops
+    only on its own signals: there a frontend's SHUTDOWN changes nothing."""
     import socket
     from types import SimpleNamespace
 
@@ -122,17 +123,19 @@ def test_a_frontend_that_stops_gracefully_stops_the_replica_with_exit_code_0():
     server = SimpleNamespace(shutdown_grace_s=4.0, log_stats_interval_s=0.0)
     runtime = SimpleNamespace(engine=None, config=SimpleNamespace(server=server, liveness=SimpleNamespace(
         timeout_s=5.0)), report_lost_peer=lambda: False)
-    loop = EngineLoop(runtime, None, 1, "", False)  # type: ignore[arg-type]
-    ours, theirs = socket.socketpair()
-    loop.links = [FrontendLink(0, None, ours, 5.0, pid=os.getpid())]
-    try:
-        theirs.sendall(frame(Kind.SHUTDOWN))
-        theirs.close()
-        loop._poll(2.0)
-        assert loop.stopping and loop.exit_code == 0
-        loop._poll(2.0)
-        assert loop.links[0].closed and loop.exit_code == 0
-    finally:
-        loop._stop_bound.close()
-        for s in (ours, loop._wake_r, loop._wake_w):
-            s.close()
+    for replica in (True, False):
+        loop = EngineLoop(runtime, None, 1, "", False,  # type: ignore[arg-type]
+                          accept_on=SimpleNamespace() if replica else None)  # type: ignore[arg-type]
+        ours, theirs = socket.socketpair()
+        loop.links = [FrontendLink(0, None, ours, 5.0, pid=os.getpid())]
+        try:
+            theirs.sendall(frame(Kind.SHUTDOWN))
+            theirs.close()
+            loop._poll(2.0)
+            assert loop.stopping == replica and loop.exit_code == 0
+            loop._poll(2.0)
+            assert loop.links[0].closed and loop.exit_code == (0 if replica else 1)
+        finally:
+            loop._stop_bound.close()
+            for s in (ours, loop._wake_r, loop._wake_w):
+                s.close()
