@@ -99,8 +99,9 @@ class SamplingParams:
     tokens plus the top-N; the first entry is None (vLLM semantics). Such a request does not use
     the prefix cache (every prompt position must be computed)."""
     truncate_prompt_tokens: int | None = None
-    """Keep only the last k tokens of the prompt (vLLM's name); -1 keeps the last max_model_len (the model's
-    context). The output's prompt_token_ids are those kept."""
+    """Keep only the last k tokens of the prompt (vLLM's name; k < max_model_len); -1 fits the prompt to the
+    model's context: its last max_model_len - max_tokens (max_model_len - 1 without max_tokens). The output's
+    prompt_token_ids are those kept."""
     constraint: Callable[[], TokenConstraint] | None = field(default=None, repr=False, compare=False)
     """Factory of a fresh :class:`TokenConstraint`, called once per output sequence (see the protocol)."""
     stop_strings: list[str] = field(init=False, repr=False)

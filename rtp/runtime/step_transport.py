@@ -183,7 +183,9 @@ class StepTransport:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._old_handlers[signum] = signal.signal(signum, on_signal)
-        self.watchdog.on_stop_request = self._stop_for_node
+        ps = self.ps
+        if (ps.rank if ps.global_rank is None else ps.global_rank) == 0:  # the run's rank 0, not a replica's
+            self.watchdog.on_stop_request = self._stop_for_node
 
     def _stop_for_node(self, node: int) -> None:
         """Another node's ranks got SIGTERM (the watchdog's thread): this process takes it too, unless it already

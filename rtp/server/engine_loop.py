@@ -129,7 +129,8 @@ class EngineLoop:
         self.runtime.on_failure.append(self._on_runtime_failure)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        self.runtime.transport.watchdog.on_stop_request = self._stop_for_node
+        if self.accept_on is None:  # rank 0 (another replica's coordinator stops on its own node's signal)
+            self.runtime.transport.watchdog.on_stop_request = self._stop_for_node
         try:
             if self.accept_on is not None:
                 self._accept_frontends(hello)

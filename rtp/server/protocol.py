@@ -134,7 +134,8 @@ class CommonRequest(_Strict):
     stop: str | list[NonEmptyText] | None = None  # "" means no stop string, as in SamplingParams
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = Field(
-        default=None, description="keep only the prompt's last k tokens; -1: its last max_model_len (vLLM's)")
+        default=None, description="keep only the prompt's last k tokens (k < max_model_len); -1: fit the prompt to "
+                                  "the context (its last max_model_len - max_tokens)")
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
