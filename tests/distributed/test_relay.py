@@ -121,7 +121,7 @@ def two_nodes(timeout_s: float = 1.0):
     return store, hbs, relays
 
 
-def test_relay_carries_beats_steps_and_dump_requests_across_nodes():
+def test_relay_carries_beats_steps_dump_and_stop_requests_across_nodes():
     store, hbs, relays = two_nodes()
     hbs[3].start_step()
     hbs[3].finish_step()
@@ -137,6 +137,15 @@ def test_relay_carries_beats_steps_and_dump_requests_across_nodes():
     assert hbs[0].beats(3) == hbs[2].beats(3) and hbs[0].step_state(3)[:2] == (1, 1) and hbs[0].waiting(3)
     assert hbs[2].beats(1) == hbs[0].beats(1)
     assert hbs[2]._q[2] == 1 and hbs[2]._q[3] == 7  # the dump request reached node 1's header
+    # A rank of node 1 got SIGTERM from its own torchrun: its stop request reaches node 0 (rank 0's watchdog).
+    assert hbs[0].stop_requested() is None
+    hbs[3].request_stop(1)
+    for relay in relays:
+        relay.publish()
+    for relay in relays:
+        relay.pull()
+    assert hbs[0].stop_requested() == 1 and hbs[1].stop_requested() == 1
+    assert hbs[2]._q[2] == 1 and hbs[2]._q[3] == 7 and hbs[0].beats(3) == hbs[2].beats(3)  # the rest as before
 
 
 def test_a_silent_node_is_reported_with_its_host_and_a_live_one_is_not():
@@ -184,8 +193,9 @@ def test_a_stop_signal_after_a_lost_node_ends_rank0_with_that_loss():
     left = subprocess.Popen([sys.executable, "-c", "pass"])
     dog = Watchdog(0, {1: left.pid}, lambda failure: None, heartbeat=hbs[0],
                    remote={2: "pid 10 on host b", 3: "pid 12 on host b"})
-    transport = StepTransport(RtpConfig(), None, None, dog, hbs[0])  # type: ignore[arg-type]
+    transport = StepTransport(RtpConfig(), ParallelState.single("cpu"), None, dog, hbs[0])
     transport.install_signal_handlers()
+    assert dog.on_stop_request == transport._stop_for_node  # the run's rank 0 takes another node's stop
     hbs[0].start()
     try:
         with pytest.raises(SystemExit) as stop:  # every peer alive: a requested stop
