@@ -297,10 +297,24 @@ class CompletionRequest(CommonRequest):
 
 
 class ContentPart(_Strict):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+    """One part of a message's content; only text parts are supported (see :func:`content_text`)."""
 
     type: str
     text: str | None = None
+
+
+def content_text(content: str | list[ContentPart] | None, kinds: tuple[str, ...], where: str) -> str:
+    """A message's content as text: its text parts (of the types ``kinds``) joined; ApiError(400) at
+    ``where``.j.type for a part of another type (an image, a file), at ``where``.j.text for one without text."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type not in kinds:
+            raise ApiError(400, f"content part of type {part.type!r} is not supported: only text parts "
+                                f"({', '.join(kinds)})", f"{where}.{j}.type")
+        if part.text is None:
+            raise ApiError(400, f'a content part of type "{part.type}" needs its "text"', f"{where}.{j}.text")
+    return "".join(part.text or "" for part in content)
 
 
 class FunctionCall(_Strict):
@@ -336,20 +350,7 @@ class ChatMessage(_Strict):
     reasoning: str | None = None  # vLLM's newer name for reasoning_content
 
     def text(self, index: int) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for j, part in enumerate(self.content):
-            if part.type != "text":
-                raise ApiError(400, f"content part of type {part.type!r} is not supported: only text parts",
-                               f"messages.{index}.content.{j}.type")
-            if part.text is None:
-                raise ApiError(400, 'a content part of type "text" needs its "text"',
-                               f"messages.{index}.content.{j}.text")
-            parts.append(part.text)
-        return "".join(parts)
+        return content_text(self.content, ("text",), f"messages.{index}.content")
 
 
 class JsonSchemaFormat(_Strict):

@@ -28,33 +28,16 @@ from rtp.sampling import SamplingParams
 from rtp.server.protocol import (
     ApiError,
     ChatCompletionRequest,
+    ContentPart,
     NonEmptyText,
     _Strict,
     _unsupported,
+    content_text,
 )
 
+# An input message's text parts: ``input_text``, or ``output_text`` of an earlier answer (any other type, an
+# ``input_image`` or ``input_file``, is refused by name).
 _TEXT_PARTS = ("input_text", "output_text", "text")
-
-
-class InputContentPart(_Strict):
-    """A part of an input message: text (``input_text``, or ``output_text`` of an earlier answer) is supported;
-    any other type (``input_image``, ``input_file``) is refused by name."""
-
-    type: str
-    text: str | None = None
-
-
-def _text(content: str | list[InputContentPart] | None, where: str) -> str:
-    """A message item's content as text; ApiError(400) naming a part that is not text."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    for j, part in enumerate(content):
-        if part.type not in _TEXT_PARTS:
-            raise ApiError(400, f"content part of type {part.type!r} is not supported: only text parts "
-                           f"({', '.join(_TEXT_PARTS)})", f"{where}.content.{j}.type")
-        if part.text is None:
-            raise ApiError(400, f'a content part of type "{part.type}" needs its "text"', f"{where}.content.{j}.text")
-    return "".join(p.text or "" for p in content)
 
 
 class InputItem(_Strict):
@@ -62,7 +45,7 @@ class InputItem(_Strict):
 
     type: Literal["message", "function_call", "function_call_output", "reasoning"] | None = None
     role: Literal["user", "system", "developer", "assistant"] | None = None
-    content: str | list[InputContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     id: str | None = None
     call_id: str | None = Field(default=None, description="function_call and function_call_output items")
     name: str | None = Field(default=None, description="function_call items: the function")
@@ -194,7 +177,8 @@ class ResponsesRequest(_Strict):
                 if item.role is None:
                     raise ApiError(400, "a message item needs a role (user, system, developer or assistant)",
                                    f"{where}.role")
-                out.append({"role": item.role, "content": _text(item.content, where)})
+                out.append({"role": item.role, "content": content_text(item.content, _TEXT_PARTS,
+                                                                           f"{where}.content")})
         if not any(m["role"] != "system" for m in out):
             raise ApiError(400, "the input holds no message besides instructions", "input")
         return out
