@@ -100,7 +100,8 @@ def _check_same_setup(world: ParallelState, config: RtpConfig, model_dir: Path) 
     settings["model.dtype"] = str(resolve_dtype(config.model.dtype, world.device))  # "auto" follows the CPU
     error, files = None, {}
     try:
-        files = checkpoint_fingerprint(model_dir)
+        if world.rank == world.node_leader:  # the leaders' are compared: one read per node
+            files = checkpoint_fingerprint(model_dir)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     world.raise_any(error, "reading its checkpoint")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import codecs
 import copy
+import functools
 import time
 from typing import Any
 
@@ -53,7 +54,6 @@ class ResponseBuilder:
         self.created = int(time.time())
         self._text_offset = 0  # completions logprobs: characters of the tokens already reported
         self._chars = _utf8_chars()  # their bytes -> the characters they complete (a token may hold part of one)
-        self._bytes = TokenBytes(tokenizer)
         self.index = 0  # the choice index this builder writes
         # Completions: the prompt text to echo before the completion; chat: the assistant's last message.
         self.echo: str | None = None
@@ -92,6 +92,11 @@ class ResponseBuilder:
     def _finite(logprob: float | None) -> float:
         # JSON has no -Infinity: a token the sampler ruled out gets a very small finite value.
         return -9999.0 if logprob is None or logprob != logprob or logprob < -9999.0 else float(logprob)
+
+    @functools.cached_property
+    def _bytes(self) -> TokenBytes:
+        """Each token's bytes, made on first use (only a request with logprobs needs them)."""
+        return TokenBytes(self.tokenizer)
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
