@@ -14,10 +14,11 @@ launcher API (``torch.distributed.run``): a free rendezvous port, the ranks are 
 this process.
 
 Exit status: 0 when every rank exits 0; 1 when a rank fails (torch logs which) or the
-config is invalid; 0 after SIGTERM or Ctrl-C (SIGINT): torch's agent forwards the signal to
-every rank, which shut down gracefully (the server finishes running requests within
-``server.shutdown_grace_s``), and returns once all have exited (a rank still alive 45 s after
-the grace is killed).
+config is invalid. SIGTERM or Ctrl-C (SIGINT): torch's agent forwards the signal to every rank, which
+shut down gracefully (the server finishes running requests within ``server.shutdown_grace_s``), and
+returns once all have exited (a rank still alive 45 s after the grace is killed); then ``rtp serve``
+exits 0 (a stopped server has done its work) and ``rtp generate`` 128 + the signal's number (130, 143:
+its batch did not finish, and it wrote nothing).
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(torchrun_args(module, launch, forward))
     except SignalException as e:
-        print(f"rtp {command}: stopped by {e.sigval.name}; every rank has exited", file=sys.stderr)
-        return 0
+        unfinished = "" if command == "serve" else " before the batch finished (nothing written)"
+        print(f"rtp {command}: stopped by {e.sigval.name}{unfinished}; every rank has exited", file=sys.stderr)
+        return 0 if command == "serve" else 128 + e.sigval
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         print(f"rtp {command}: rank {rank} exited with code {failure.exitcode} (its messages are above)",

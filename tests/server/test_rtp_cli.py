@@ -2,7 +2,8 @@
 
 ``rtp serve --nproc-per-node 2 --port 0`` answers the openai client with transformers' greedy
 continuation, and SIGTERM to the ``rtp`` process stops every rank cleanly (exit 0, no process,
-no shared-memory segment left). ``rtp generate`` takes its rank count from the config.
+no shared-memory segment left); SIGTERM to ``rtp generate`` stops it the same way but exits 143 (its batch did
+not finish). ``rtp generate`` takes its rank count from the config.
 """
 
 from __future__ import annotations
@@ -92,6 +93,39 @@ def test_rtp_serve_two_ranks_answers_and_stops_cleanly_on_sigterm(tmp_path, hf):
         assert shm_segments(server.rank0_pid) == []
     finally:
         kill(server)
+
+
+@pytest.mark.timeout(240)
+def test_rtp_generate_stopped_by_sigterm_exits_143_and_writes_nothing(tmp_path):
+    """An unfinished batch is not a success: SIGTERM to `rtp generate` stops every rank and exits 128 + 15."""
+    config = tmp_path / "cpu.yaml"
+    config.write_text(CONFIG)
+    line = json.dumps({"prompt": "Once", "max_tokens": 1000, "ignore_eos": True}) + "\n"
+    (tmp_path / "in.jsonl").write_text(line * 64)  # ~64k tokens: minutes
+    log = tmp_path / "generate.log"
+    cmd = [*rtp_cmd(), "generate", "--nproc-per-node", "2", "--config", str(config), "--prompts-file", "in.jsonl",
+           "--output", "out.jsonl"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while "generate:" not in log.read_text(errors="replace"):  # the progress bar: generate() has begun
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        ranks = rank_pids(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+        text = log.read_text(errors="replace")
+        assert rc == 128 + signal.SIGTERM, text[-4000:]
+        assert "stopped by SIGTERM before the batch finished" in text, text[-4000:]
+        assert not (tmp_path / "out.jsonl").exists()
+        assert not [pid for pid in ranks.values() if alive(pid)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.timeout(240)
