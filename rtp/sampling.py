@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 class TokenConstraint(Protocol):
     """Restricts the tokens one output sequence may sample next (structured outputs).
 
-    See /work/notes/sampler_hook.md. Lives on rank 0 only, where sampling happens.
+    Lives on rank 0 only, where sampling happens (the batched sampler asks every constrained row for its mask
+    before a step and tells it the sampled token after; rtp.structured.GrammarConstraint implements it).
     """
 
     def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:

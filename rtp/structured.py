@@ -84,6 +84,10 @@ class GrammarSpec:
                 raise GrammarCompileError(field, f"{field} is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarCompileError(field, f"{field} must be a JSON schema (an object), got {type(schema).__name__}")
+        ignored = unenforced_keyword(schema)
+        if ignored is not None:
+            raise GrammarCompileError(field, f"{field}: {ignored[1]} at {ignored[0]} is not supported (xgrammar would "
+                                             "ignore it and the output could break the schema): remove it")
         # Not sort_keys: the schema's property order is the order of the generated keys.
         return GrammarSpec("json", json.dumps(schema), field)
 
@@ -92,6 +96,42 @@ class GrammarSpec:
         if not choices:
             raise GrammarCompileError(field, f"{field} must list at least one choice")
         return GrammarSpec("choice", json.dumps(list(choices)), field)
+
+
+# Where a schema's subschemas sit: maps of them, lists of them, and single ones. Other keys hold data (enum,
+# const, default ...) or numbers, never walked.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems",
+               "propertyNames", "if", "then", "else")
+# Keywords xgrammar (0.2) compiles without enforcing them: an output could break them while the request ends "stop".
+_UNENFORCED = ("contains", "minContains", "maxContains", "not", "dependentRequired", "dependentSchemas")
+
+
+def unenforced_keyword(schema: Any, path: str = "#") -> tuple[str, str] | None:  # noqa: ANN401 - any JSON value
+    """(where, what) of the first keyword in ``schema`` that the grammar would not enforce, or None."""
+    if not isinstance(schema, dict):
+        return None
+    found = next((k for k in _UNENFORCED if k in schema), None)
+    if found is not None:
+        return path, f"'{found}'"
+    if schema.get("uniqueItems") is True:
+        return path, "'uniqueItems'"
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return path, "'multipleOf' on a non-integer"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return path, "'allOf' of several schemas"
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        return path, "'pattern' with 'minLength'/'maxLength'"
+    children: list[tuple[str, Any]] = []
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            children += [(f"{path}/{key}/{name}", sub) for name, sub in schema[key].items()]
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            children += [(f"{path}/{key}/{i}", sub) for i, sub in enumerate(schema[key])]
+    children += [(f"{path}/{key}", schema[key]) for key in _SCHEMA_ONE if isinstance(schema.get(key), dict)]
+    return next((hit for where, sub in children if (hit := unenforced_keyword(sub, where)) is not None), None)
 
 
 def _regex_escape(text: str) -> str:

@@ -10,7 +10,8 @@ One :class:`ChatOutput` per request. ``reasoning`` turns on the ``<think>`` spli
 - "named": the output is the arguments of ``tool_name`` (forced by a grammar).
 
 A response with calls in "auto" or "required" mode ends with ``finish_reason: "tool_calls"``
-(OpenAI's; a named choice keeps "stop", as OpenAI does).
+(OpenAI's; a named choice keeps "stop", as OpenAI does). With ``parallel_tool_calls: false`` (``one_call``) an
+"auto" output's calls after the first are dropped (as vLLM; "required" gets a grammar of one call).
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ ToolMode = Literal["none", "auto", "required", "named"]
 
 
 class ChatOutput:
-    def __init__(self, reasoning: bool = False, tool_mode: ToolMode = "none", tool_name: str | None = None) -> None:
+    def __init__(self, reasoning: bool = False, tool_mode: ToolMode = "none", tool_name: str | None = None,
+                 one_call: bool = False) -> None:
         # A forced tool choice constrains the output from its first token: there is no think block to split.
         self.reasoning = reasoning and tool_mode not in ("required", "named")
         self.tool_mode, self.tool_name = tool_mode, tool_name
+        self.max_calls = 1 if one_call else None
         self.has_calls = False
         self._reasoning_stream = ReasoningStream()
         self._tool_stream = ToolCallStream()
-        self._named = ToolCall(tool_name or "", "")
         self._required = RequiredCallStream()
 
     def finish_reason(self, reason: str | None) -> str | None:
@@ -44,6 +46,7 @@ class ChatOutput:
         calls: list[ToolCall] = []
         if self.tool_mode == "auto" and content is not None:
             content, calls = parse_tool_calls(content)
+            calls = calls[:self.max_calls]
         elif self.tool_mode == "required":
             content, calls = parse_required(text)
         elif self.tool_mode == "named":
@@ -66,10 +69,9 @@ class ChatOutput:
                 out["reasoning"] = out["reasoning_content"] = d.reasoning
             content = d.content
         if self.tool_mode == "named":
-            if not self.has_calls:  # the first chunk names the function
+            if not self.has_calls:  # the first chunk names the function (each choice's call its own id)
                 self.has_calls = True
-                out["tool_calls"] = [{**self._named.openai(0), "function": {"name": self._named.name,
-                                                                             "arguments": content}}]
+                out["tool_calls"] = [ToolCall(self.tool_name or "", content).openai(0)]
             elif content:
                 out["tool_calls"] = [{"index": 0, "function": {"arguments": content}}]
             return out
@@ -77,6 +79,8 @@ class ChatOutput:
             stream = self._tool_stream if self.tool_mode == "auto" else self._required
             first = stream.num_calls
             content, found = stream.feed(content, final)
+            if self.max_calls is not None:
+                found = found[:max(0, self.max_calls - first)]
             if found:
                 self.has_calls = True
                 out["tool_calls"] = [c.openai(first + i) for i, c in enumerate(found)]

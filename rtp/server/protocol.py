@@ -98,9 +98,10 @@ def _api_spec(make: Any, value: Any, field: str) -> GrammarSpec:  # noqa: ANN401
 
 
 class StructuredOutputs(_Strict):
-    """vLLM's ``structured_outputs`` object: at most one of these constraints."""
+    """vLLM's ``structured_outputs`` object: at most one of these constraints (any other key, vLLM's
+    ``structural_tag`` or its backend options, is a 400: ignored, it would leave the output unconstrained)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json", description="a JSON schema")
     regex: str | None = None
@@ -360,7 +361,7 @@ class JsonSchemaFormat(_Strict):
 
     name: str = Field(default="response", description="a name for the schema")
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="the JSON schema")
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema", description="the JSON schema")
     strict: bool | None = None
 
 
@@ -475,7 +476,11 @@ class ChatCompletionRequest(CommonRequest):
         """The grammar forcing a "required" or named tool choice (vLLM's way: a JSON schema)."""
         choice, tools = self.tool_choice, [t.model_dump(exclude_none=True) for t in self.tools or []]
         if choice == "required":
-            return _api_spec(GrammarSpec.json_schema, required_schema(tools), "tools")
+            try:
+                schema = required_schema(tools, parallel=self.parallel_tool_calls is not False)
+            except ValueError as e:
+                raise ApiError(400, str(e), "tools") from None
+            return _api_spec(GrammarSpec.json_schema, schema, "tools")
         if isinstance(choice, NamedToolChoice):
             fn = next(t["function"] for t in tools if t["function"]["name"] == choice.function.name)
             return _api_spec(GrammarSpec.json_schema, parameters_schema(fn), "tools")

@@ -50,7 +50,8 @@ class InputItem(_Strict):
     call_id: str | None = Field(default=None, description="function_call and function_call_output items")
     name: str | None = Field(default=None, description="function_call items: the function")
     arguments: str | None = Field(default=None, description="function_call items: the arguments as JSON text")
-    output: str | None = Field(default=None, description="function_call_output items: the function's answer")
+    output: str | list[ContentPart] | None = Field(
+        default=None, description="function_call_output items: the function's answer (text, or its text parts)")
     status: str | None = None
 
 
@@ -76,7 +77,7 @@ class TextFormat(_Strict):
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
@@ -172,7 +173,8 @@ class ResponsesRequest(_Strict):
                 if not any(c["id"] == item.call_id for m in out for c in m.get("tool_calls", [])):
                     raise ApiError(400, f"function_call_output {item.call_id!r} answers no function_call item "
                                    "before it", f"{where}.call_id")
-                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                out.append({"role": "tool", "tool_call_id": item.call_id,
+                            "content": content_text(item.output, _TEXT_PARTS, f"{where}.output")})
             else:
                 if item.role is None:
                     raise ApiError(400, "a message item needs a role (user, system, developer or assistant)",

@@ -198,11 +198,24 @@ def parameters_schema(fn: dict[str, Any]) -> dict[str, Any]:
     return params if isinstance(params, dict) and params else {"type": "object"}
 
 
-def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """JSON schema of a ``tool_choice: "required"`` answer: a non-empty list of calls of the given tools."""
-    variants = [{"type": "object",
-                 "properties": {"name": {"type": "string", "enum": [function_of(t).get("name")]},
-                                "parameters": parameters_schema(function_of(t))},
-                 "required": ["name", "parameters"], "additionalProperties": False}
-                for t in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+_DEFS = ("$defs", "definitions")  # where a schema's "#/$defs/..." (or draft-07 "#/definitions/...") refs point
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """JSON schema of a ``tool_choice: "required"`` answer: a non-empty list of calls of the given tools (one
+    call at most when ``parallel`` is False). Each tool's definitions move to the list's root, where its refs
+    now point; ValueError when two tools define one name differently."""
+    variants: list[dict[str, Any]] = []
+    defs: dict[str, dict[str, Any]] = {key: {} for key in _DEFS}
+    for t in tools:
+        params = dict(parameters_schema(function_of(t)))
+        for key in _DEFS:
+            for name, schema in (params.pop(key, None) or {}).items():
+                if defs[key].setdefault(name, schema) != schema:
+                    raise ValueError(f"tools define {key}/{name} differently: rename one of them")
+        variants.append({"type": "object",
+                         "properties": {"name": {"type": "string", "enum": [function_of(t).get("name")]},
+                                        "parameters": params},
+                         "required": ["name", "parameters"], "additionalProperties": False})
+    schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": variants}}
+    return {**schema, **{key: value for key, value in defs.items() if value}}

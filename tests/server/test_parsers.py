@@ -111,6 +111,49 @@ def test_required_schema_and_its_parser():
     assert content is None and parse_required("[{") == ("[{", [])
 
 
+def test_required_schema_moves_each_tools_definitions_to_its_root_and_can_allow_one_call():
+    import jsonschema
+
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "a", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}}, "required": ["to"],
+        "$defs": {"Place": place}}}},
+             {"type": "function", "function": {"name": "b", "parameters": {
+                 "type": "object", "properties": {"at": {"$ref": "#/definitions/Place"}},
+                 "definitions": {"Place": place}}}}]
+    schema = required_schema(tools)
+    assert schema["$defs"] == schema["definitions"] == {"Place": place}
+    calls = [{"name": "a", "parameters": {"to": {"city": "Oslo"}}}, {"name": "b", "parameters": {"at": {"city": "x"}}}]
+    jsonschema.validate(calls, schema)
+    with pytest.raises(jsonschema.ValidationError):  # the ref resolves: a Place needs its city
+        jsonschema.validate([{"name": "a", "parameters": {"to": {}}}], schema)
+    one = required_schema(tools, parallel=False)
+    jsonschema.validate(calls[:1], one)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(calls, one)
+    clash = {"type": "function", "function": {"name": "c", "parameters": {"$defs": {"Place": {"type": "string"}}}}}
+    with pytest.raises(ValueError, match="Place"):
+        required_schema([*tools, clash])
+
+
+def test_one_call_keeps_the_first_auto_call_and_named_choices_get_their_own_ids():
+    import copy
+
+    text = "".join(f'<tool_call>\n{{"name": "f", "arguments": {{"i": {i}}}}}\n</tool_call>' for i in range(3))
+    whole = ChatOutput(tool_mode="auto", one_call=True).message(text)
+    assert [json.loads(c["function"]["arguments"]) for c in whole["tool_calls"]] == [{"i": 0}]
+    out, streamed = ChatOutput(tool_mode="auto", one_call=True), []
+    for i in range(0, len(text), 7):
+        streamed += out.delta(text[i:i + 7], final=i + 7 >= len(text)).get("tool_calls", [])
+    assert [(c["index"], c["function"]["arguments"]) for c in streamed] == [(0, whole["tool_calls"][0]["function"]
+                                                                              ["arguments"])]
+    assert len(ChatOutput(tool_mode="auto").message(text)["tool_calls"]) == 3
+    # n > 1: each choice's ChatOutput is a copy of one made before any text; each call has its own id.
+    template = ChatOutput(tool_mode="named", tool_name="f")
+    ids = {copy.deepcopy(template).delta('{"i"', final=False)["tool_calls"][0]["id"] for _ in range(3)}
+    assert len(ids) == 3
+
+
 def test_required_calls_stream_as_each_object_closes_and_equal_the_whole_parse():
     calls = [{"name": "a", "parameters": {"s": "} ] { [ \\\" \u00e9", "n": [1, {"k": []}]}},
              {"name": "b", "parameters": {}}]

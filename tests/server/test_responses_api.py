@@ -70,6 +70,10 @@ def test_message_input_with_function_call_history(served, tokenizer):
              {"type": "function_call_output", "call_id": "call_1", "output": "rain"}]
     client.responses.create(model=MODEL, input=items, max_output_tokens=3, tools=tools, tool_choice="none")
     ids, _, _ = engine.added[-1]
+    # The output as text parts (the SDK's other shape) is the same prompt.
+    items[2] = {**items[2], "output": [{"type": "input_text", "text": "ra"}, {"type": "input_text", "text": "in"}]}
+    client.responses.create(model=MODEL, input=items, max_output_tokens=3, tools=tools, tool_choice="none")
+    assert engine.added[-1][0] == ids
     chat_tools = [{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}]
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Weather in Oslo?"},

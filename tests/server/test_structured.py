@@ -18,7 +18,14 @@ from transformers import AutoTokenizer
 from rtp.config import load_config
 from rtp.server.api import build_app
 from rtp.server.async_engine import AsyncEngine
-from rtp.structured import GrammarCompileError, GrammarCompiler, GrammarSpec, json_safe_tokens, pack_bitmask
+from rtp.structured import (
+    GrammarCompileError,
+    GrammarCompiler,
+    GrammarSpec,
+    json_safe_tokens,
+    pack_bitmask,
+    unenforced_keyword,
+)
 from rtp.testing import CHAT_TEMPLATE, MARKUP_TOKENS, SPECIAL_TOKENS, default_model_dir
 from tests.server.test_api import FakeEngine, fake_model_info
 
@@ -121,6 +128,42 @@ def test_compiled_grammars_are_cached_and_errors_name_the_field(tokenizer):
         assert ".cc:" not in message  # xgrammar's C++ log prefix is stripped
     with pytest.raises(GrammarCompileError):
         GrammarSpec.json_schema("{not json", "guided_json")
+
+
+# (schema, an instance that breaks it): xgrammar 0.2 compiles each and then accepts the instance.
+UNENFORCED = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1]),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}, [1, 2]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"required": ["a"]}}, {"a": 1}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, {"a": 1}),
+    ({"type": "number", "multipleOf": 0.5}, 0.3),
+    ({"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]}, 9),
+    ({"type": "string", "pattern": "a+", "minLength": 3}, "a"),
+]
+
+
+@pytest.mark.parametrize("schema,instance", UNENFORCED)
+def test_schema_keywords_the_grammar_would_ignore_are_refused(tokenizer, schema, instance):
+    import xgrammar as xgr
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(instance, schema)
+    # Why they are refused: compiled as they are, the grammar accepts the instance that breaks them.
+    info = xgr.TokenizerInfo(["</s>"] + [chr(i) for i in range(32, 127)], stop_token_ids=[0])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema),
+                                                                                any_whitespace=False))
+    assert matcher.accept_string(json.dumps(instance)) and matcher.accept_token(0)
+    nested = {"type": "object", "properties": {"uniqueItems": {"$ref": "#/$defs/x"}}, "$defs": {"x": schema}}
+    for where, wrapped in (("#", schema), ("#/$defs/x", nested)):
+        assert unenforced_keyword(wrapped)[0] == where
+        with pytest.raises(GrammarCompileError) as e:
+            GrammarSpec.json_schema(wrapped, "response_format.json_schema.schema")
+        assert f"at {where} is not supported" in str(e.value)
+    # Data that merely looks like those keywords (a property's name, an enum value) is not refused.
+    assert unenforced_keyword({"type": "object", "properties": {"not": {"enum": [{"uniqueItems": True}]}},
+                               "allOf": [{"type": "object"}]}) is None
+    assert unenforced_keyword({"type": "integer", "multipleOf": 3}) is None  # integers: enforced
 
 
 # ---- the chat template of the tiny model ----

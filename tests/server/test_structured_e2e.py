@@ -166,6 +166,43 @@ def test_forced_tool_calls_parse(client, model):
 
 
 @pytest.mark.timeout(180)
+def test_required_calls_of_tools_with_definitions_and_parallel_tool_calls_false(client, model):
+    """A tool whose parameters hold $defs (a nested pydantic model in the SDK) under "required": the grammar
+    compiles and the arguments follow the referenced definition; parallel_tool_calls false: one call."""
+    place = {"type": "object", "properties": {"city": {"enum": ["oslo", "rome"]}}, "required": ["city"],
+             "additionalProperties": False}
+    trip = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}}, "required": ["to"],
+        "additionalProperties": False, "$defs": {"Place": place}}}}
+    counts = []
+    for seed in range(3):
+        for parallel in (True, False):
+            r = client.chat.completions.create(model=model, messages=MSGS, tools=[trip, CLOCK], seed=seed,
+                                               tool_choice="required", parallel_tool_calls=parallel, max_tokens=300)
+            calls = r.choices[0].message.tool_calls
+            assert r.choices[0].finish_reason == "tool_calls" and calls, r.choices[0]
+            for call in calls:
+                tool = {"book": trip, "get_time": CLOCK}[call.function.name]
+                jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+            counts.append((parallel, len(calls)))
+    assert all(n == 1 for parallel, n in counts if not parallel)
+    # Schema keywords the grammar would not enforce, and structured_outputs keys rtp does not know: 400s.
+    unique = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=MSGS, max_tokens=4, response_format=unique)
+    assert "'uniqueItems' at # is not supported" in e.value.body["message"]
+    tag = {"structural_tag": json.dumps({"type": "structural_tag"})}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=MSGS, max_tokens=4, extra_body={"structured_outputs": tag})
+    assert e.value.body["param"] == "structured_outputs.structural_tag"
+    # A boolean schema (true: any JSON value) is a schema too.
+    r = client.chat.completions.create(model=model, messages=MSGS, max_tokens=30, seed=1, response_format={
+        "type": "json_schema", "json_schema": {"name": "any", "schema": True}})
+    if r.choices[0].finish_reason == "stop":
+        json.loads(r.choices[0].message.content)
+
+
+@pytest.mark.timeout(180)
 def test_auto_tool_choice_parses_qwen3_tool_call_blocks(client, model, server):
     """The random model never writes <tool_call> by itself: a regex forces Qwen3's block, the parser reads it."""
     regex = (r'<tool_call>\n\{"name": "get_weather", "arguments": '

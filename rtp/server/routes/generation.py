@@ -72,7 +72,7 @@ class GenerationRoutes:
         output = None
         if ctx.server.reasoning_parser is not None or mode != "none":
             output = ChatOutput(reasoning=ctx.server.reasoning_parser is not None, tool_mode=mode,
-                                tool_name=tool_name)
+                                tool_name=tool_name, one_call=req.parallel_tool_calls is False)
         build = ResponseBuilder("chat.completion", rid, ctx.model_name, ctx.tokenizer, len(ids),
                                 req.num_logprobs(), output)
         build.prompt_logprobs = req.prompt_logprobs
