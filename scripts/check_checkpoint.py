@@ -37,8 +37,8 @@ def main() -> int:
         ap.error(f"--rank {args.rank} must be in [0, {args.tp})")
     ps = ParallelState(rank=args.rank, world_size=args.tp, local_rank=args.rank, device=torch.device("cpu"))
     try:
-        fmt = checkpoint_format(AutoConfig.from_pretrained(args.model))
         _, report = load_model(args.model, ps, DTYPES[args.dtype], expert_parallel=args.expert_parallel)
+        fmt = checkpoint_format(AutoConfig.from_pretrained(args.model))  # read (and checked) by load_model first
     except (RtpError, ValueError, OSError) as e:
         print(f"{args.model}: {e}", file=sys.stderr)
         return 1

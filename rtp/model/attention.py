@@ -114,7 +114,10 @@ def load_kv_scale(scale: torch.Tensor, source, shard_id: object = None) -> None:
     """Loader of a KV scale: one float, stored as ``[]`` or ``[1]`` in any float dtype, the same on every rank."""
     if source.get_dtype() not in ("F32", "BF16", "F16", "F64"):
         raise CheckpointError(f"a KV scale must be a float, not {source.get_dtype()}")
-    scale.data.copy_(source[...])  # [] or [1] -> the buffer's [1], converted to float32
+    value = source[...]
+    if not bool(torch.isfinite(value).all() and (value > 0).all()):  # 0 or less: every key or value read as garbage
+        raise CheckpointError(f"a KV scale must be a positive finite number, got {value.flatten().tolist()}")
+    scale.data.copy_(value)  # [] or [1] -> the buffer's [1], converted to float32
 
 
 class PagedAttention(nn.Module):

@@ -51,8 +51,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint (sharded with an index, or one file)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({model_dir / f for f in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            why = f"no {e}" if isinstance(e, KeyError) else str(e)
+            raise CheckpointError(f"{index}: not a readable checkpoint index ({why})") from None
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -83,10 +87,14 @@ def tensor_bytes(path: Path) -> dict[str, int]:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
-        return {name: int(e["data_offsets"][1]) - int(e["data_offsets"][0])
-                for name, e in header.items() if name != "__metadata__"}
+        entries = {name: e for name, e in header.items() if name != "__metadata__"}
+        sizes = {name: int(e["data_offsets"][1]) - int(e["data_offsets"][0]) for name, e in entries.items()}
+        end = 8 + n + max((int(e["data_offsets"][1]) for e in entries.values()), default=0)
     except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    if path.stat().st_size < end:  # the header reads, the tensors do not: a copy cut short
+        raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, its header describes {end})")
+    return sizes
 
 
 def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progress: bool = False,
@@ -119,6 +127,10 @@ def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progres
             _load_file(model, path, sizes[path], params, expected, seen, report, bar, on_progress)
     report.seconds = time.perf_counter() - start
     report.kv_scales = len(seen.keys() & optional.keys())
+    for name in sorted(seen.keys() & optional.keys()):  # a layer's KV scales come as a pair
+        pair = name[:-7] + ("v_scale" if name.endswith("k_scale") else "k_scale")
+        if pair not in seen:
+            raise CheckpointError(f"checkpoint {model_dir} holds {name} but not {pair}: give both KV scales or none")
     missing = sorted(required.keys() - seen.keys())
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -134,7 +146,11 @@ def _load_file(model: Qwen3ForCausalLM, path: Path, sizes: dict[str, int], param
                expected: dict[str, list[int]], seen: dict[str, str], report: LoadReport, bar: tqdm,
                on_progress: Callable[[int], None] | None) -> None:
     """Load this rank's slices of one file's tensors (see :func:`load_weights`)."""
-    with safe_open(str(path), framework="pt", device="cpu") as f:
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 - safetensors' own SafetensorError, OSError ...
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    with handle as f:
         for name in f.keys():
             done = sizes.get(name, 0)
             report.checkpoint_bytes += done

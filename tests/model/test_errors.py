@@ -125,3 +125,44 @@ def test_an_architecture_other_than_the_causal_lm_is_refused(tiny, tmp_path, nam
             load_model(path, ParallelState.single(), torch.float32)
     else:
         load_model(path, ParallelState.single(), torch.float32)
+
+
+@pytest.mark.parametrize("name, dtype", [("model.layers.0.input_layernorm.weight", torch.int32),
+                                         ("model.embed_tokens.weight", torch.float8_e4m3fn),
+                                         ("model.layers.1.mlp.down_proj.weight", torch.int8),
+                                         ("lm_head.weight", torch.uint8)])
+def test_a_float_tensor_stored_as_integers_or_fp8_is_named(tiny, tmp_path, name, dtype):
+    # A float checkpoint (or a quantized one's unquantized tensors): cast silently, it gave garbage tokens.
+    path = rewrite_checkpoint(tiny, tmp_path / "m", lambda t: t.__setitem__(name, t[name].to(dtype)))
+    with pytest.raises(CheckpointError) as e:
+        load_model(path, ParallelState.single(), torch.float32)
+    assert f"'{name}'" in str(e.value) and str(dtype) in str(e.value), str(e.value)
+
+
+def test_a_broken_index_or_a_truncated_file_is_one_line(tmp_path):
+    path = make_tiny_qwen3(tmp_path / "m", TinyQwen3Spec(num_shards=2))
+    index = path / "model.safetensors.index.json"
+    good = index.read_text()
+    for text, words in (("{not json", "not a readable checkpoint index"), ('{"metadata": {}}', "no 'weight_map'")):
+        index.write_text(text)
+        with pytest.raises(CheckpointError, match=words):
+            load_model(path, ParallelState.single(), torch.float32)
+    index.write_text(good)
+    victim = path / sorted(set(json.loads(good)["weight_map"].values()))[1]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # the header reads, the tensors do not
+    with pytest.raises(CheckpointError, match=rf"{victim.name}: truncated"):
+        load_model(path, ParallelState.single(), torch.float32)
+
+
+@pytest.mark.parametrize("scales, words", [({"k_scale": 0.5}, "not model.layers.0.self_attn.v_scale"),
+                                           ({"k_scale": 0.0, "v_scale": 1.0}, "positive finite number, got [0.0]"),
+                                           ({"k_scale": -1.0, "v_scale": 1.0}, "positive finite"),
+                                           ({"k_scale": float("nan"), "v_scale": 1.0}, "positive finite")])
+def test_kv_scales_come_in_positive_pairs(tiny, tmp_path, scales, words):
+    def add(t):
+        t.update({f"model.layers.0.self_attn.{k}": torch.tensor(v) for k, v in scales.items()})
+
+    path = rewrite_checkpoint(tiny, tmp_path / "m", add)
+    with pytest.raises(CheckpointError) as e:
+        load_model(path, ParallelState.single(), torch.float32)
+    assert words in str(e.value), str(e.value)

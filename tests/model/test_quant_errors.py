@@ -93,6 +93,8 @@ def test_weight_not_in_fp8_is_named(fp8, tmp_path):
     (lambda q: q.update(quant_method="gptq"), ["quant_method='gptq'", "'fp8'", "'awq'"]),
     (lambda q: q.update(activation_scheme="static"), ["activation_scheme='static'"]),
     (lambda q: q.update(quant_method="awq", bits=8), ["bits=8"]),
+    # one module name as a string, not split into its letters
+    (lambda q: q.update(modules_to_not_convert="model.layers.0.mlp.down_proj"), ["['model.layers.0.mlp.down_proj']"]),
 ])
 def test_unsupported_quantization_config_is_named(fp8, tmp_path, edit, words):
     path = edited(fp8, tmp_path / "m", config=lambda c: edit(c["quantization_config"]))

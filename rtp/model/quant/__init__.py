@@ -59,10 +59,14 @@ def checkpoint_format(hf_config: Any) -> QuantFormat | None:
     if qc is None:
         return None
     if not isinstance(qc, dict):
-        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else getattr(qc, "__dict__", qc)
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"config.json quantization_config must be an object, got {type(qc).__name__}")
     method = qc.get("quant_method")
     plain = ("lm_head", "embed_tokens", "gate")  # stored unquantized by rtp's reading anyway
-    skipped = [m for m in qc.get("modules_to_not_convert") or [] if not str(m).endswith(plain)]
+    modules = qc.get("modules_to_not_convert") or []
+    modules = [modules] if isinstance(modules, str) else modules  # one name, as a string
+    skipped = [m for m in modules if not str(m).endswith(plain)]
     if skipped:
         raise _bad("modules_to_not_convert", skipped, "rtp reads checkpoints whose every projection is quantized")
     if method == "fp8":
