@@ -50,7 +50,9 @@ _SignalHandler = Union[Callable[[int, Union[FrameType, None]], Any], int, signal
 logger = get_logger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-PARENT_DEATH_SIGNAL = signal.SIGHUP  # "the one who started you hung up"; torchrun itself never sends it
+PARENT_DEATH_SIGNAL = signal.SIGUSR2  # no one else sends it (torchrun forwards SIGHUP: a stop, see STOP_SIGNALS)
+# What stops a run gracefully: torchrun's agent forwards each of these to every rank (SIGHUP: a closed terminal).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def set_parent_death_signal(signum: int) -> bool:

@@ -334,6 +334,13 @@ class ShmChannel:
         pids = self._q[off : off + self._layout.num_readers].tolist()
         return all(pid == 0 or pid_alive(pid) for pid in pids)
 
+    def wait_for_readers(self, timeout: float) -> None:
+        """Writer end: return once every reader has attached (ChannelTimeout after ``timeout`` s). Before
+        :meth:`unlink`: a reader that has not attached yet could not find the segment, nor the SHUTDOWN in it."""
+        off = self._layout.reader_pid_off // 8
+        self._wait(lambda: all(self._q[off : off + self._layout.num_readers].tolist()), time.monotonic() + timeout,
+                   None, "waiting for the readers to attach")
+
     # ------------------------------------------------------------- teardown
 
     def _check_open(self) -> None:

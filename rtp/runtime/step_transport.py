@@ -19,7 +19,7 @@ from typing import Any
 from rtp.config import RtpConfig
 from rtp.core.step import StepKind, StepPlan, encode
 from rtp.distributed.heartbeat import Heartbeat
-from rtp.distributed.liveness import Failure, Watchdog, exit_deadline, kill_hung
+from rtp.distributed.liveness import STOP_SIGNALS, Failure, Watchdog, exit_deadline, kill_hung
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.shm_channel import ShmChannel
 from rtp.distributed.step_relay import StepRelay
@@ -161,7 +161,7 @@ class StepTransport:
         os._exit(1)
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT stop the process: at once outside a step, at its end inside one."""
+        """SIGTERM, SIGINT and SIGHUP stop the process: at once outside a step, at its end inside one."""
 
         def on_signal(signum: int, frame: Any) -> None:  # noqa: ANN401
             # torchrun stops the survivors when a rank leaves: a stop that follows a rank's loss ends
@@ -181,7 +181,7 @@ class StepTransport:
             raise _interruption(signum)
 
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in STOP_SIGNALS:
                 self._old_handlers[signum] = signal.signal(signum, on_signal)
         ps = self.ps
         if (ps.rank if ps.global_rank is None else ps.global_rank) == 0:  # the run's rank 0, not a replica's
@@ -220,6 +220,8 @@ class StepTransport:
         try:
             if (self.channel is not None or self.relay is not None) and healthy:
                 self.send(StepPlan(kind=StepKind.SHUTDOWN))
+                if self.channel is not None:  # a shutdown right after init(): workers may still be attaching
+                    self.channel.wait_for_readers(self.heartbeat.timeout_s)
         except Exception as e:  # noqa: BLE001 - best effort: a worker may already be gone
             logger.warning("could not send shutdown to the workers: %s", e)
             healthy = False

@@ -107,6 +107,7 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str | None,
         logger.info("SIGTERM: waiting for rank 0 to shut down")
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGHUP, on_sigterm)  # torchrun forwards it as it does SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         while True:
@@ -116,6 +117,8 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str | None,
             plan = decode(data)
             if plan.kind == StepKind.SHUTDOWN:
                 logger.info("rank %d: shutdown", heartbeat.rank)
+                if writer is not None:  # this node's workers may still be attaching (a shutdown right after init)
+                    writer.wait_for_readers(heartbeat.timeout_s)
                 return
             if plan.kind == StepKind.STEP:
                 step = heartbeat.start_step()

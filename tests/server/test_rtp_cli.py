@@ -96,8 +96,10 @@ def test_rtp_serve_two_ranks_answers_and_stops_cleanly_on_sigterm(tmp_path, hf):
 
 
 @pytest.mark.timeout(240)
-def test_rtp_generate_stopped_by_sigterm_exits_143_and_writes_nothing(tmp_path):
-    """An unfinished batch is not a success: SIGTERM to `rtp generate` stops every rank and exits 128 + 15."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_rtp_generate_stopped_by_a_signal_exits_128_plus_it_and_writes_nothing(tmp_path, sig):
+    """An unfinished batch is not a success: SIGTERM (or SIGHUP, a closed terminal: torchrun forwards both) to
+    `rtp generate` stops every rank at once and exits 128 + the signal."""
     config = tmp_path / "cpu.yaml"
     config.write_text(CONFIG)
     line = json.dumps({"prompt": "Once", "max_tokens": 1000, "ignore_eos": True}) + "\n"
@@ -115,17 +117,35 @@ def test_rtp_generate_stopped_by_sigterm_exits_143_and_writes_nothing(tmp_path):
             assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
         ranks = rank_pids(proc.pid)
-        proc.send_signal(signal.SIGTERM)
+        start = time.time()
+        proc.send_signal(sig)
         rc = proc.wait(60)
         text = log.read_text(errors="replace")
-        assert rc == 128 + signal.SIGTERM, text[-4000:]
-        assert "stopped by SIGTERM before the batch finished" in text, text[-4000:]
+        assert rc == 128 + sig, text[-4000:]
+        assert time.time() - start < 20  # SIGHUP was ignored by the ranks: torchrun killed them 45 s later
+        assert f"stopped by {sig.name} before the batch finished" in text, text[-4000:]
         assert not (tmp_path / "out.jsonl").exists()
         assert not [pid for pid in ranks.values() if alive(pid)]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_shutdown_right_after_init_is_clean(tmp_path):
+    """An empty prompts file: rank 0 shuts down as soon as init() returns, while rank 1 may still be attaching to
+    the step channel (it found the channel gone, rank 0 waited 10 s at the barrier, rank 1 exited 1)."""
+    config = tmp_path / "cpu.yaml"
+    config.write_text(CONFIG)
+    (tmp_path / "in.jsonl").write_text("")
+    start = time.time()
+    proc = subprocess.run([*rtp_cmd(), "generate", "--nproc-per-node", "2", "--config", str(config), "--prompts-file",
+                           "in.jsonl", "--output", "out.jsonl"], cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "wrote 0 completions" in proc.stdout and (tmp_path / "out.jsonl").read_text() == ""
+    assert "monitoredBarrier" not in proc.stderr and time.time() - start < 30, proc.stderr[-4000:]
 
 
 @pytest.mark.timeout(240)
