@@ -9,6 +9,7 @@ everything.
 
 from __future__ import annotations
 
+import atexit
 import time
 from collections.abc import Callable, Iterator
 from numbers import Integral
@@ -210,6 +211,7 @@ class Runtime:
             except RuntimeError as e:  # a replica is gone: the liveness reports it; release ours anyway
                 logger.warning("the other replicas did not confirm the shutdown: %s", e)
         self.transport.close()
+        atexit.unregister(self.shutdown)  # registered at start-up: it held the whole runtime (its KV cache) alive
         logger.info("shut down")
 
 

@@ -10,6 +10,7 @@ handled like any other.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
@@ -205,6 +206,7 @@ class StepTransport:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)  # registered at start-up: a closed transport need not outlive init()
         # The watchdog stops watching here: a teardown that blocks must still end the process.
         with exit_deadline(max(60.0, 2 * self.heartbeat.timeout_s), "rank 0's teardown"):
             self._close()

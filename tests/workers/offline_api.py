@@ -95,5 +95,16 @@ except KeyboardInterrupt:
     pass
 timer.join()
 assert rtp.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].token_ids == single.token_ids
+
+# Once shut down, nothing holds the runtime (its KV cache): atexit kept every init()'s runtime alive before.
+import gc  # noqa: E402
+import weakref  # noqa: E402
+
+runtime = weakref.ref(rtp._current)
+rtp.shutdown()
+gc.collect()
+assert runtime() is None, gc.get_referrers(runtime())
+rtp.init(None, log_level="WARNING")  # and a new one starts after it
+assert rtp.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].token_ids == single.token_ids
 rtp.shutdown()
 print("OK")
