@@ -60,10 +60,12 @@ def plan_launch(module: str, args: argparse.Namespace) -> Launch:
     pp, dp = config.parallel.pipeline_parallel_size, config.parallel.data_parallel_size
     check_combinations(config)  # so at most one of pp and dp is above 1
     split, split_flag = pp * dp, "--pipeline-parallel-size" if pp > 1 else "--data-parallel-size"
+    tp_source = "--tensor-parallel-size"
+    if tp is None and config.parallel.tensor_parallel_size is not None:
+        tp, tp_source = config.parallel.tensor_parallel_size, "the config's tensor_parallel_size"
     if nproc is not None and tp is not None and nproc != tp * split:
         times = f" x {split_flag} {split}" if split > 1 else ""
-        raise RtpError(f"--nproc-per-node {nproc} and --tensor-parallel-size {tp}{times} disagree: "
-                       "give one of them")
+        raise RtpError(f"--nproc-per-node {nproc} and {tp_source} {tp}{times} disagree: give one of them")
     if nproc is None:
         nproc = (config.parallel.tensor_parallel_size or 1) * split
     if nproc % split:

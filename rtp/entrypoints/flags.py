@@ -106,7 +106,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("speculative_config", ("--speculative-config",), _json_mapping,
          'speculative decoding as a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
          metavar="JSON"),
-    Flag("log_level", ("--log-level",), str, "log level of rank 0", ("DEBUG", "INFO", "WARNING", "ERROR"),
+    Flag("log_level", ("--log-level",), str.upper, "log level of rank 0", ("DEBUG", "INFO", "WARNING", "ERROR"),
          metavar="{DEBUG,INFO,WARNING,ERROR}"),
 )
 

@@ -1,4 +1,4 @@
-"""Offline batch generation: JSONL prompts in, JSONL completions out.
+r"""Offline batch generation: JSONL prompts in, JSONL completions out.
 
     rtp generate --nproc-per-node 2 [--config configs/cpu.yaml] --prompts-file prompts.jsonl --output out.jsonl
     torchrun --standalone --nproc-per-node 2 launch/generate.py --config configs/cpu.yaml \
@@ -34,8 +34,9 @@ PARAM_FIELDS = {f.name for f in dataclasses.fields(rtp.SamplingParams) if f.init
 DEMO_TEMPERATURE, DEMO_TOP_P, DEMO_SEED, DEMO_MAX_TOKENS = 0.8, 0.95, 0, 32
 
 
-def read_requests(path: str) -> tuple[list, list[dict[str, Any]], list[int]]:
-    """Parse the JSONL file into prompts, their SamplingParams fields (checked) and their line numbers.
+def read_requests(path: str, max_tokens: int | None = None) -> tuple[list, list[dict[str, Any]], list[int]]:
+    """Parse the JSONL file into prompts, their SamplingParams fields (checked) and their line numbers; a line
+    without max_tokens gets ``max_tokens`` (--max-tokens) when it is given.
 
     Raises RtpError naming the line of the first bad entry.
     """
@@ -65,7 +66,14 @@ def read_requests(path: str) -> tuple[list, list[dict[str, Any]], list[int]]:
             unknown = set(item) - PARAM_FIELDS
             if unknown:
                 raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(PARAM_FIELDS)}")
-            rtp.SamplingParams(**item)  # checked now; built after init, the model's defaults filling the rest
+            if isinstance(item.get("logit_bias"), dict):  # JSON keys are strings: token ids written as such
+                item["logit_bias"] = {int(k) if isinstance(k, str) and k.isdecimal() else k: v
+                                      for k, v in item["logit_bias"].items()}
+            if max_tokens is not None:
+                item = {"max_tokens": max_tokens, **item}
+            # Checked now, built after init with the model's defaults filling the rest: until then a max_tokens
+            # left out is not known (rtp's 16, or the checkpoint's max_new_tokens), so it is not checked against.
+            rtp.SamplingParams(**{"max_tokens": None, **item})
             params.append(item)
             prompts.append(prompt)
             linenos.append(lineno)
@@ -86,10 +94,10 @@ def check_output(path: str) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """What ``rtp generate`` checks before it starts the ranks: the prompts file reads, --max-tokens is valid, the
     output can be written."""
-    if args.prompts_file:
-        read_requests(args.prompts_file)
     if args.max_tokens is not None:
         rtp.SamplingParams(max_tokens=args.max_tokens)  # RequestError naming max_tokens
+    if args.prompts_file:
+        read_requests(args.prompts_file, args.max_tokens)
     if args.output:
         check_output(args.output)
 
@@ -113,9 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.output and int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes it (other nodes may lack it)
             check_output(args.output)
         if args.prompts_file:
-            prompts, items, linenos = read_requests(args.prompts_file)
-            if args.max_tokens is not None:
-                items = [{"max_tokens": args.max_tokens, **item} for item in items]
+            prompts, items, linenos = read_requests(args.prompts_file, args.max_tokens)
         else:
             prompts, linenos = DEMO_PROMPTS + DEMO_PROMPTS, []
             max_tokens = DEMO_MAX_TOKENS if args.max_tokens is None else args.max_tokens
@@ -124,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
                                            seed=DEMO_SEED)] * len(DEMO_PROMPTS))
         rtp.init(load_config_from_args(args, ENGINE_FLAGS))  # worker ranks serve inside init() and exit there
         if items is not None:
-            params = [rtp.default_sampling_params(**item) for item in items]
+            params = []
+            for item, lineno in zip(items, linenos):
+                try:  # the model's defaults now fill the fields the line left out: checked together
+                    params.append(rtp.default_sampling_params(**item))
+                except RequestError as e:
+                    raise RequestError(f"{args.prompts_file}:{lineno}: {e}") from None
         try:
             outputs = rtp.generate(prompts, params)
         except RequestError as e:  # "prompt <i>: why" -> "<file>:<line>: why"
@@ -139,14 +150,25 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         rtp.shutdown()
-    lines = [json.dumps(_output_line(o)) for o in outputs]
     if args.output:
+        lines = [json.dumps(_output_line(o)) for o in outputs]
         try:
             with open(args.output, "w", encoding="utf-8") as f:
                 f.write("".join(line + "\n" for line in lines))
         except OSError as e:
             return fail(RtpError(f"--output {args.output}: {e.strerror or e}"))
-        print(f"wrote {len(lines)} completions to {args.output}")
+    try:
+        _print_outputs(args, prompts, outputs)
+    except BrokenPipeError:  # `rtp generate ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes it
+    except OSError as e:
+        return fail(RtpError(f"stdout: {e.strerror or e}"))
+    return 0
+
+
+def _print_outputs(args: argparse.Namespace, prompts: list, outputs: list[RequestOutput]) -> None:
+    if args.output:
+        print(f"wrote {len(outputs)} completions to {args.output}", flush=True)
     elif not args.prompts_file:
         settings = f"temperature {DEMO_TEMPERATURE}, top_p {DEMO_TOP_P}, seed {DEMO_SEED}"
         half = len(DEMO_PROMPTS)
@@ -156,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for prompt, o in zip(prompts, outputs):
             print(f"{prompt!r} -> {o.text!r} ({o.finish_reason})")
-    return 0
+    sys.stdout.flush()  # a closed pipe or a full disk is seen here, not at exit
 
 
 def _output_line(o: RequestOutput) -> dict:

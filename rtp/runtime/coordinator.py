@@ -177,6 +177,8 @@ class Runtime:
     def generate_stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
                         ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it, until it finishes."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params is a {type(sampling_params).__name__}; expected rtp.SamplingParams")
         rid = self.engine.add_request(_as_prompt(prompt, "the prompt"), sampling_params)
         box = self._mailbox([rid], every=True)
         finished = False

@@ -306,6 +306,11 @@ class ModelRunner:
                               f"{stretched}): positions past them were never trained; lower it")
         self.max_model_len = model_config.max_model_len or self.spec.max_position_embeddings
         self.block_size = block_size
+        if ps.rank == 0:  # what the run resolved: dtype "auto" follows the CPU, max_model_len the checkpoint
+            resolved = str(self.dtype).removeprefix("torch.")
+            given = f" (dtype {model_config.dtype})" if model_config.dtype != resolved else ""
+            logger.info("model %s: %s%s, TP %d x PP %d on %s, max_model_len %d, block_size %d", Path(model_dir).name,
+                        resolved, given, ps.tp_size, ps.pp_size, ps.device.type, self.max_model_len, block_size)
         layers = self.model.attention_layers()
         for attn in layers:
             attn.backend, attn.varlen_decode = self.attn_backend, model_config.batch_invariant

@@ -148,3 +148,38 @@ def test_data_parallel_size_local_flag_is_a_cross_check():
     args.nproc_per_node = None
     with pytest.raises(RtpError, match="--data-parallel-size-local 1 and --data-parallel-size 2 disagree"):
         plan_launch("rtp.entrypoints.serve", args)
+
+
+def test_the_configs_tensor_parallel_size_is_checked_against_the_rank_count(tmp_path):
+    from rtp.errors import RtpError
+    from rtp.launcher import plan_launch
+
+    cfg = tmp_path / "tp2.yaml"
+    cfg.write_text("tensor_parallel_size: 2\n")
+    args = serve.parse_args(["--config", str(cfg)])
+    args.nproc_per_node = 1  # the ranks started, loaded the model, then refused the world size
+    with pytest.raises(RtpError, match="--nproc-per-node 1 and the config's tensor_parallel_size 2 disagree"):
+        plan_launch("rtp.entrypoints.serve", args)
+    args.nproc_per_node = 2
+    assert plan_launch("rtp.entrypoints.serve", args).nproc == 2
+
+
+def test_log_level_takes_any_case():
+    assert config_of(["--log-level", "debug"]).log_level == "DEBUG"  # as YAML and rtp.init() take it
+
+
+def test_prompts_file_lines_are_checked_with_the_values_the_run_uses(tmp_path):
+    from rtp.entrypoints.generate import read_requests
+    from rtp.errors import RtpError
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "a", "min_tokens": 20}\n{"prompt": "b", "logit_bias": {"5": 3, "7": -1}}\n')
+    # min_tokens 20 fits --max-tokens 40, and a max_tokens left out (the model's default) is not known yet.
+    _, items, linenos = read_requests(str(path), max_tokens=40)
+    assert items[0]["max_tokens"] == 40 and items[1]["logit_bias"] == {5: 3, 7: -1} and linenos == [1, 2]
+    read_requests(str(path))
+    with pytest.raises(RtpError, match=r"in\.jsonl:1: .*min_tokens=20 .* max_tokens=5"):
+        read_requests(str(path), max_tokens=5)
+    path.write_text('{"prompt": "b", "logit_bias": {"x": 3}}\n')  # JSON keys that are no token id stay refused
+    with pytest.raises(RtpError, match=r"in\.jsonl:1: .*logit_bias"):
+        read_requests(str(path))

@@ -140,9 +140,10 @@ def test_a_shutdown_right_after_init_is_clean(tmp_path):
     config.write_text(CONFIG)
     (tmp_path / "in.jsonl").write_text("")
     start = time.time()
-    proc = subprocess.run([*rtp_cmd(), "generate", "--nproc-per-node", "2", "--config", str(config), "--prompts-file",
-                           "in.jsonl", "--output", "out.jsonl"], cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=100)
+    cmd = [*rtp_cmd(), "generate", "--nproc-per-node", "2", "--config", str(config), "--prompts-file", "in.jsonl",
+           "--output", "out.jsonl"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=100)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "wrote 0 completions" in proc.stdout and (tmp_path / "out.jsonl").read_text() == ""
     assert "monitoredBarrier" not in proc.stderr and time.time() - start < 30, proc.stderr[-4000:]

@@ -96,6 +96,12 @@ except KeyboardInterrupt:
 timer.join()
 assert rtp.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].token_ids == single.token_ids
 
+try:  # the same check as generate()'s, not an AttributeError from inside the engine
+    next(rtp.generate_stream("a", "not params"))
+    raise AssertionError("generate_stream took a string for its SamplingParams")
+except TypeError as e:
+    assert "expected rtp.SamplingParams" in str(e), e
+
 # Once shut down, nothing holds the runtime (its KV cache): atexit kept every init()'s runtime alive before.
 import gc  # noqa: E402
 import weakref  # noqa: E402
