@@ -68,12 +68,15 @@ class GrammarSpec:
 
     ``spec`` is text: a JSON schema serialised (equal schemas share a cache entry), a regex, a JSON
     list of choices, an EBNF grammar, or "" for json_object. ``field`` names the request field it
-    came from, for error messages.
+    came from, for error messages. ``after``: a token id (a thinking model's ``</think>``) until which
+    the output is free, the grammar applying from the token after it (as vLLM with a reasoning parser);
+    None: from the first token.
     """
 
     kind: GrammarKind
     spec: str
     field: str
+    after: int | None = None
 
     @staticmethod
     def json_schema(schema: Any, field: str) -> GrammarSpec:  # noqa: ANN401 - any JSON value
@@ -146,17 +149,20 @@ class GrammarConstraint:
     """
 
     def __init__(self, compiled: Any, vocab_size: int,  # noqa: ANN401 - xgrammar.CompiledGrammar
-                 also_allowed: torch.Tensor | None = None) -> None:
+                 also_allowed: torch.Tensor | None = None, after: int | None = None) -> None:
         assert _xgr is not None, "built by GrammarCompiler only"
         self.matcher = _xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self._bitmask = _xgr.allocate_token_bitmask(1, vocab_size)  # int32 [1, ceil(vocab / 32)], on CPU
         self._also_allowed = also_allowed  # packed like the bitmask: AND-ed into it
         self.rejected = 0  # tokens the grammar did not accept (a mask that could not be honoured)
+        self._after = after  # GrammarSpec.after
+        self._waiting = after is not None  # free output until the ``after`` token
+        self._free = self._matched = 0  # tokens accepted before the grammar applied, and since (for rollback)
 
     def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
         """The packed bitmask of the tokens the grammar allows next, or None when it allows all."""
-        if self.matcher.is_terminated():
+        if self._waiting or self.matcher.is_terminated():
             return None  # finished: the engine stops the sequence after this token anyway
         if not self.matcher.fill_next_token_bitmask(self._bitmask, 0):
             return self._also_allowed
@@ -165,18 +171,29 @@ class GrammarConstraint:
         return self._bitmask[0]
 
     def accept(self, token_id: int) -> None:
+        if self._waiting:
+            self._free += 1
+            self._waiting = token_id != self._after
+            return
         if self.matcher.is_terminated():
             return
+        self._matched += 1
         if not self.matcher.accept_token(token_id):
             self.rejected += 1
             logger.warning("the grammar rejected token %d (the output may not match it)", token_id)
 
     def is_terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
+        return not self._waiting and bool(self.matcher.is_terminated())
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (draft tokens checked for a verification step)."""
-        self.matcher.rollback(num_tokens)
+        matched = min(num_tokens, self._matched)
+        if matched:
+            self.matcher.rollback(matched)
+            self._matched -= matched
+        if num_tokens > matched:  # back before the ``after`` token (the last free one): free output again
+            self._free -= num_tokens - matched
+            self._waiting = True
 
 
 class GrammarCompiler:
@@ -240,18 +257,18 @@ class GrammarCompiler:
             return c.compile_grammar(spec.spec)
         raise GrammarCompileError(spec.field, f"unknown grammar kind {spec.kind!r}: one of {', '.join(KINDS)}")
 
-    def constraint_factory(self, compiled: Any, kind: GrammarKind) -> Callable[[], GrammarConstraint]:  # noqa: ANN401
+    def constraint_factory(self, compiled: Any, spec: GrammarSpec) -> Callable[[], GrammarConstraint]:  # noqa: ANN401
         """The SamplingParams.constraint factory: a fresh matcher per output sequence.
 
         JSON kinds also exclude every token holding an ASCII control character: xgrammar's JSON
         strings admit raw control characters, which JSON forbids (they must be escaped), and compact
         JSON needs none outside strings.
         """
-        vocab_size = self.vocab_size
-        also = self._json_safe if kind in ("json", "json_object") else None
+        vocab_size, after = self.vocab_size, spec.after
+        also = self._json_safe if spec.kind in ("json", "json_object") else None
 
         def make() -> GrammarConstraint:
-            return GrammarConstraint(compiled, vocab_size, also)
+            return GrammarConstraint(compiled, vocab_size, also, after)
 
         return make
 

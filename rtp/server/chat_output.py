@@ -26,9 +26,10 @@ ToolMode = Literal["none", "auto", "required", "named"]
 
 class ChatOutput:
     def __init__(self, reasoning: bool = False, tool_mode: ToolMode = "none", tool_name: str | None = None,
-                 one_call: bool = False) -> None:
-        # A forced tool choice constrains the output from its first token: there is no think block to split.
-        self.reasoning = reasoning and tool_mode not in ("required", "named")
+                 one_call: bool = False, thinks_first: bool = False) -> None:
+        # A forced tool choice's grammar applies after the think block (``thinks_first``: GrammarSpec.after), or
+        # from the first token when the prompt closed the block itself: then there is no think block to split.
+        self.reasoning = reasoning and (tool_mode not in ("required", "named") or thinks_first)
         self.tool_mode, self.tool_name = tool_mode, tool_name
         self.max_calls = 1 if one_call else None
         self.has_calls = False
@@ -48,9 +49,9 @@ class ChatOutput:
             content, calls = parse_tool_calls(content)
             calls = calls[:self.max_calls]
         elif self.tool_mode == "required":
-            content, calls = parse_required(text)
+            content, calls = parse_required(content or "")
         elif self.tool_mode == "named":
-            calls, content = [ToolCall(self.tool_name or "", text)], None
+            calls, content = [ToolCall(self.tool_name or "", content or "")], None
         msg["content"] = content if content is not None or calls else ""  # null only beside tool calls
         if self.reasoning:  # vLLM's name now, and its earlier one (DeepSeek's), for clients of either
             msg["reasoning"] = msg["reasoning_content"] = reasoning

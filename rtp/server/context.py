@@ -9,6 +9,7 @@ event loop. Route groups (:mod:`rtp.server.routes`) build on it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -42,6 +43,7 @@ from rtp.server.protocol import (
     resolve_max_tokens,
     unsupported_hint,
 )
+from rtp.server.reasoning import THINK_END, THINK_START
 from rtp.server.responses import ResponseBuilder
 from rtp.structured import GrammarCompileError, GrammarCompiler, GrammarSpec, StructuredOutputsUnavailable
 
@@ -101,7 +103,25 @@ class ServerContext:
         if self._grammar is None:
             info = self.info
             self._grammar = GrammarCompiler(self.tokenizer, info.vocab_size, list(info.eos_token_ids))
-        return _Constraint(self._grammar.constraint_factory(self._grammar.compile(spec), spec.kind), spec)
+        return _Constraint(self._grammar.constraint_factory(self._grammar.compile(spec), spec), spec)
+
+    def after_thinking(self, spec: GrammarSpec | None, prompt: str) -> GrammarSpec | None:
+        """A chat grammar under ``--reasoning-parser``: free output until the model's ``</think>``, the grammar
+        after it (vLLM's rule; a thinking model answers after thinking). Not where the prompt's last turn
+        closed the think block itself (``enable_thinking: false``): the grammar then applies from the start."""
+        think_end = self._think_end_id
+        if spec is None or self.server.reasoning_parser is None or think_end is None:
+            return spec
+        turn = prompt[max(prompt.rfind("<|im_start|>"), 0):]
+        if turn.rfind(THINK_END) > turn.rfind(THINK_START):
+            return spec
+        return dataclasses.replace(spec, after=think_end)
+
+    @functools.cached_property
+    def _think_end_id(self) -> int | None:
+        """The token id of ``</think>`` (one token in Qwen3's vocabulary), or None where it is no single token."""
+        tid = self.tokenizer.convert_tokens_to_ids(THINK_END)
+        return tid if isinstance(tid, int) and tid != self.tokenizer.unk_token_id else None
 
     async def constraint(self, spec: GrammarSpec | None) -> Callable[[], Any] | None:
         """SamplingParams.constraint for ``spec`` (compiled off the loop, cached); 400 naming the field on failure."""

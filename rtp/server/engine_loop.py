@@ -295,7 +295,7 @@ class EngineLoop:
                 self._grammar = GrammarCompiler(info.tokenizer, info.vocab_size, list(info.eos_token_ids))
             spec = req.grammar
             assert spec is not None
-            req.params.constraint = self._grammar.constraint_factory(self._grammar.compile(spec), spec.kind)
+            req.params.constraint = self._grammar.constraint_factory(self._grammar.compile(spec), spec)
             if self._compiling.pop(req.request_id, False):
                 self.engine.add_request(req.prompt_token_ids, req.params, req.request_id)
         except Exception as e:  # noqa: BLE001 - the client gets the message

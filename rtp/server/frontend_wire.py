@@ -128,7 +128,7 @@ class EngineRequest:
             head["params"]["logit_bias"] = [[k, v] for k, v in p.logit_bias.items()]
         if self.grammar is not None:
             g = self.grammar
-            head["grammar"] = [g.kind, g.spec, g.field]
+            head["grammar"] = [g.kind, g.spec, g.field, g.after]
         text = json.dumps(head).encode()
         return frame(Kind.ADD, _ADD_HEAD.pack(self.handle, len(text)) + text
                      + array("i", self.prompt_token_ids).tobytes())

@@ -234,12 +234,14 @@ async def create_response(api: ServerContext, request: Request) -> Response:
     chat.check_supported()
     mode, tool_name = api.tool_mode(chat)
     text = await api.render_chat(chat.conversation(), chat.tool_dicts(), chat.chat_template_kwargs, True)
-    constraint = await api.constraint(chat.tool_grammar() or chat.grammar_spec())
+    spec = api.after_thinking(chat.tool_grammar() or chat.grammar_spec(), text)
+    constraint = await api.constraint(spec)
     num_logprobs = req.num_logprobs()
     stream, ids, rid, params = await api.submit(chat, text, num_logprobs, "resp", "input", constraint,
                                                 "max_output_tokens")
     output = ChatOutput(reasoning=api.server.reasoning_parser is not None, tool_mode=mode, tool_name=tool_name,
-                        one_call=chat.parallel_tool_calls is False)
+                        one_call=chat.parallel_tool_calls is False,
+                        thinks_first=spec is not None and spec.after is not None)
     logprobs = None
     if num_logprobs is not None:
         logprobs = ResponseBuilder("chat.completion", rid, api.model_name, api.tokenizer, len(ids), num_logprobs)

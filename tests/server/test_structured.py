@@ -51,7 +51,7 @@ def unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def run_grammar(compiler, spec: GrammarSpec, tokenizer, seed: int, max_steps: int = 300) -> tuple[str, bool]:
     """Random logits through the constraint: (text, finished by the grammar)."""
-    make = compiler.constraint_factory(compiler.compile(spec), spec.kind)
+    make = compiler.constraint_factory(compiler.compile(spec), spec)
     c, gen, out = make(), torch.Generator().manual_seed(seed), []
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for _ in range(max_steps):
@@ -128,6 +128,33 @@ def test_compiled_grammars_are_cached_and_errors_name_the_field(tokenizer):
         assert ".cc:" not in message  # xgrammar's C++ log prefix is stripped
     with pytest.raises(GrammarCompileError):
         GrammarSpec.json_schema("{not json", "guided_json")
+
+
+def test_a_grammar_after_thinking_lets_the_think_block_through_and_rolls_back_across_it(compiler, tokenizer):
+    """GrammarSpec.after (a reasoning parser's ``</think>``): no mask until that token, the grammar after it; a
+    verification step's rollback that undoes the ``</think>`` makes the output free again."""
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    spec = dataclasses.replace(GrammarSpec("regex", "ab", "guided_regex"), after=think_end)
+    c = compiler.constraint_factory(compiler.compile(spec), spec)()
+    a, b = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "b"))
+    thinking = tokenizer.encode("<think>\nhmm", add_special_tokens=False)
+    for t in thinking:
+        assert c.allowed_tokens(VOCAB) is None and not c.is_terminated()
+        c.accept(t)
+    c.accept(think_end)
+    assert unpack(c.allowed_tokens(VOCAB), VOCAB).nonzero().flatten().tolist() == [a]  # the grammar now
+    c.accept(a)
+    c.rollback(2)  # "a" and "</think>": free output again
+    assert c.allowed_tokens(VOCAB) is None
+    c.accept(think_end)
+    c.accept(a)
+    c.accept(b)
+    c.rollback(1)
+    assert unpack(c.allowed_tokens(VOCAB), VOCAB).nonzero().flatten().tolist() == [b] and c.rejected == 0
+    c.accept(b)
+    assert not c.is_terminated()  # the regex is complete: only the stop token is left
+    c.accept(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    assert c.is_terminated()
 
 
 # (schema, an instance that breaks it): xgrammar 0.2 compiles each and then accepts the instance.
@@ -253,6 +280,39 @@ def test_constraints_reach_the_sampling_params(served, tokenizer):
                                                   "tool_choice": {"type": "function", "function": {"name": "f"}}})
     call = r.json()["choices"][0]["message"]["tool_calls"][0]
     assert call["function"]["name"] == "f" and call["id"].startswith("call_")
+
+
+def test_with_a_reasoning_parser_grammars_apply_after_the_think_block(tokenizer):
+    """As vLLM: a thinking model thinks, then answers in the grammar. The constraint lets everything through until
+    ``</think>``, unless the prompt closed the think block itself (enable_thinking false); a forced tool call's
+    arguments are read from the answer after the block, its reasoning reported beside it."""
+    engine = FakeEngine(tokenizer)
+    engine.max_model_len = 1024
+    answer = '{"x": 1}'
+    engine.pattern = tokenizer.encode(f"<think>\nwhich x\n</think>\n\n{answer}", add_special_tokens=False)
+    config = load_config(None, server={"reasoning_parser": "qwen3"})
+    with TestClient(build_app(AsyncEngine(engine), config, fake_model_info(engine))) as client:
+        named = {"type": "function", "function": {"name": "f"}}
+        body = {"messages": MSGS, "tools": [TOOL], "tool_choice": named, "max_tokens": len(engine.pattern)}
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", json={**body, "stream": stream})
+            constraint = engine.added[-1][1].constraint()
+            assert constraint.allowed_tokens(VOCAB) is None  # thinking: free
+            constraint.accept(tokenizer.convert_tokens_to_ids("</think>"))
+            assert constraint.allowed_tokens(VOCAB) is not None  # then the function's parameters
+            if stream:
+                chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+                reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+                args = "".join(t["function"].get("arguments") or "" for d in deltas for t in d.get("tool_calls", []))
+            else:
+                msg = r.json()["choices"][0]["message"]
+                reasoning, args = msg["reasoning"], msg["tool_calls"][0]["function"]["arguments"]
+            assert reasoning.strip() == "which x" and json.loads(args) == {"x": 1}, r.text
+        r = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}})
+        assert engine.added[-1][1].constraint().allowed_tokens(VOCAB) is not None  # from the first token
+        r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "guided_regex": "[0-9]+"})
+        assert engine.added[-1][1].constraint().allowed_tokens(VOCAB) is not None  # no chat, no think block
 
 
 def test_tools_and_template_kwargs_reach_the_prompt(served, tokenizer):

@@ -59,6 +59,9 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
     "additionalProperties": False}}}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 THINK_REGEX = r"<think>\n[a-z ]{3,20}\n</think>\n\n[a-z ]{3,20}"
+# With --reasoning-parser a grammar applies after the model's think block (vLLM's rule), which the random model
+# never closes: these requests close it in the prompt (Qwen3's enable_thinking false), so it applies from the start.
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +96,7 @@ def test_json_schema_outputs_validate_for_20_seeds(client, model):
 
     def one(seed: int):
         return client.chat.completions.create(model=model, messages=MSGS, response_format=fmt, seed=seed,
-                                              temperature=1.0, max_tokens=400)
+                                              extra_body=NO_THINK, temperature=1.0, max_tokens=400)
 
     with ThreadPoolExecutor(10) as pool:  # batched together in the engine, each with its own matcher
         responses = list(pool.map(one, range(20)))
@@ -110,7 +113,7 @@ def test_json_schema_outputs_validate_for_20_seeds(client, model):
     # as in vLLM); what it wrote is still the start of an object, and a finished one parses.
     for seed in range(4):
         r = client.chat.completions.create(model=model, messages=MSGS, response_format={"type": "json_object"},
-                                           seed=seed, max_tokens=100)
+                                           extra_body=NO_THINK, seed=seed, max_tokens=100)
         text = r.choices[0].message.content
         assert text.startswith("{") and "\n" not in text, text
         if r.choices[0].finish_reason == "stop":
@@ -139,26 +142,28 @@ def test_forced_tool_calls_parse(client, model):
     params = WEATHER["function"]["parameters"]
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = client.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER, CLOCK], tool_choice=named,
-                                       seed=5, max_tokens=200)
+                                       extra_body=NO_THINK, seed=5, max_tokens=200)
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop" and len(calls) == 1 and calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), params)
     # The same, streamed: the deltas of call 0 concatenate to the same arguments.
     chunks = list(client.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER, CLOCK],
-                                                 tool_choice=named, seed=5, max_tokens=200, stream=True))
+                                                 extra_body=NO_THINK, tool_choice=named, seed=5, max_tokens=200,
+                                                 stream=True))
     parts = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert parts[0].function.name == "get_weather" and parts[0].id and all(p.index == 0 for p in parts)
     assert "".join(p.function.arguments or "" for p in parts) == calls[0].function.arguments
     # "required": one or more calls of the given tools, finish_reason "tool_calls".
     r = client.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER, CLOCK], tool_choice="required",
-                                       seed=6, max_tokens=300)
+                                       extra_body=NO_THINK, seed=6, max_tokens=300)
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
     for call in r.choices[0].message.tool_calls:
         tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
     # Streamed (the same seed): one whole call per delta entry, sent as its object closes; the same calls.
     chunks = list(client.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER, CLOCK],
-                                                 tool_choice="required", seed=6, max_tokens=300, stream=True))
+                                                 extra_body=NO_THINK, tool_choice="required", seed=6, max_tokens=300,
+                                                 stream=True))
     parts = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [(p.index, p.function.name, p.function.arguments) for p in parts] == [
         (i, c.function.name, c.function.arguments) for i, c in enumerate(r.choices[0].message.tool_calls)]
@@ -178,7 +183,8 @@ def test_required_calls_of_tools_with_definitions_and_parallel_tool_calls_false(
     for seed in range(3):
         for parallel in (True, False):
             r = client.chat.completions.create(model=model, messages=MSGS, tools=[trip, CLOCK], seed=seed,
-                                               tool_choice="required", parallel_tool_calls=parallel, max_tokens=300)
+                                               extra_body=NO_THINK, tool_choice="required",
+                                               parallel_tool_calls=parallel, max_tokens=300)
             calls = r.choices[0].message.tool_calls
             assert r.choices[0].finish_reason == "tool_calls" and calls, r.choices[0]
             for call in calls:
@@ -196,8 +202,9 @@ def test_required_calls_of_tools_with_definitions_and_parallel_tool_calls_false(
         client.chat.completions.create(model=model, messages=MSGS, max_tokens=4, extra_body={"structured_outputs": tag})
     assert e.value.body["param"] == "structured_outputs.structural_tag"
     # A boolean schema (true: any JSON value) is a schema too.
-    r = client.chat.completions.create(model=model, messages=MSGS, max_tokens=30, seed=1, response_format={
-        "type": "json_schema", "json_schema": {"name": "any", "schema": True}})
+    r = client.chat.completions.create(model=model, messages=MSGS, max_tokens=30, seed=1, extra_body=NO_THINK,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "any", "schema": True}})
     if r.choices[0].finish_reason == "stop":
         json.loads(r.choices[0].message.content)
 
@@ -207,7 +214,7 @@ def test_auto_tool_choice_parses_qwen3_tool_call_blocks(client, model, server):
     """The random model never writes <tool_call> by itself: a regex forces Qwen3's block, the parser reads it."""
     regex = (r'<tool_call>\n\{"name": "get_weather", "arguments": '
              r'\{"city": "[a-z]{1,8}", "unit": "celsius"\}\}\n</tool_call>')
-    extra = {"guided_regex": regex}
+    extra = {"guided_regex": regex, **NO_THINK}
     r = client.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER], seed=7, max_tokens=200,
                                        extra_body=extra)
     msg = r.choices[0].message
@@ -237,7 +244,7 @@ def test_auto_tool_choice_parses_qwen3_tool_call_blocks(client, model, server):
 @pytest.mark.timeout(180)
 def test_streamed_thinking_gives_reasoning_then_content(client, model):
     """Qwen3 opens <think> itself; the random model does not, so a regex forces a think block and an answer."""
-    extra = {"guided_regex": THINK_REGEX}
+    extra = {"guided_regex": THINK_REGEX, **NO_THINK}
     chunks = list(client.chat.completions.create(model=model, messages=MSGS, seed=8, max_tokens=100, stream=True,
                                                  extra_body=extra))
     kinds = []

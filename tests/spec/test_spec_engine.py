@@ -190,7 +190,7 @@ def test_grammar_masks_apply_per_draft_position(trained, plain_engine, spec_engi
     tok = plain_engine.tokenizer
     compiler = GrammarCompiler(tok, 4096, list(plain_engine.eos_token_ids))
     spec = GrammarSpec("regex", "(the king, )+and so", "regex")
-    make = compiler.constraint_factory(compiler.compile(spec), spec.kind)
+    make = compiler.constraint_factory(compiler.compile(spec), spec)
     prompt = prompts_of(plain_engine)[2]
     sp = SamplingParams(temperature=0, max_tokens=40, constraint=make, logprobs=1)
     # A draft model's drafts ignore the grammar (its argmax leaves "the king, " here): the grammar cuts them

@@ -62,7 +62,7 @@ def test_json_schema_penalties_logprobs_with_speculation_equal_the_run_without(t
     compiler = GrammarCompiler(engine.tokenizer, engine.model_info.vocab_size, list(engine.eos_token_ids))
     spec = GrammarSpec.json_schema(SCHEMA, "guided_json")
     params = SamplingParams(temperature=0, max_tokens=150, presence_penalty=0.2, repetition_penalty=1.05, logprobs=2,
-                            constraint=compiler.constraint_factory(compiler.compile(spec), spec.kind))
+                            constraint=compiler.constraint_factory(compiler.compile(spec), spec))
     [want] = run(engine, [(engine.tokenize(PROMPT), params)])
     assert choice.text == want.text
     got_lps = choice.logprobs.token_logprobs

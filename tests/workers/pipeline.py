@@ -38,7 +38,7 @@ if features:
     compiler = GrammarCompiler(info.tokenizer, info.vocab_size, list(info.eos_token_ids))
     spec = GrammarSpec.choice(["yes", "no", "maybe so"], "choice")
     choice = rtp.SamplingParams(temperature=1.0, seed=3, max_tokens=12,
-                                constraint=compiler.constraint_factory(compiler.compile(spec), spec.kind))
+                                constraint=compiler.constraint_factory(compiler.compile(spec), spec))
     outs = rtp.generate([p0, p1, p0, p0, p0, p1], [rep, lp, sampled, single[0], single[1], choice], use_tqdm=False)
     result["repetition"] = outs[0].token_ids
     result["prompt_logprobs"] = [None if d is None else {str(k): v for k, v in d.items()}

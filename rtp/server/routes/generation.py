@@ -67,12 +67,14 @@ class GenerationRoutes:
         mode, tool_name = ctx.tool_mode(req)
         text = await ctx.render_chat(req.conversation(), req.tool_dicts(), req.chat_template_kwargs,
                                      req.add_generation_prompt, req.continue_final_message)
-        constraint = await ctx.constraint(req.tool_grammar() or req.grammar_spec())
+        spec = ctx.after_thinking(req.tool_grammar() or req.grammar_spec(), text)
+        constraint = await ctx.constraint(spec)
         stream, ids, rid, _ = await ctx.submit(req, text, req.num_logprobs(), "chatcmpl", "messages", constraint)
         output = None
         if ctx.server.reasoning_parser is not None or mode != "none":
             output = ChatOutput(reasoning=ctx.server.reasoning_parser is not None, tool_mode=mode,
-                                tool_name=tool_name, one_call=req.parallel_tool_calls is False)
+                                tool_name=tool_name, one_call=req.parallel_tool_calls is False,
+                                thinks_first=spec is not None and spec.after is not None)
         build = ResponseBuilder("chat.completion", rid, ctx.model_name, ctx.tokenizer, len(ids),
                                 req.num_logprobs(), output)
         build.prompt_logprobs = req.prompt_logprobs
