@@ -145,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
     except RtpError as e:
         return fail(e)
-    except KeyboardInterrupt:
-        print("rtp generate: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # every rank, during start-up: one line per node, as fail()'s
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print("rtp generate: interrupted", file=sys.stderr)
         return 130
     finally:
         rtp.shutdown()
