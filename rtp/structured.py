@@ -87,7 +87,10 @@ class GrammarSpec:
                 raise GrammarCompileError(field, f"{field} is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarCompileError(field, f"{field} must be a JSON schema (an object), got {type(schema).__name__}")
-        ignored = unenforced_keyword(schema)
+        try:
+            ignored = unenforced_keyword(schema)
+        except RecursionError:
+            raise GrammarCompileError(field, f"{field} nests too deeply") from None
         if ignored is not None:
             raise GrammarCompileError(field, f"{field}: {ignored[1]} at {ignored[0]} is not supported (xgrammar would "
                                              "ignore it and the output could break the schema): remove it")
@@ -108,7 +111,8 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems",
                "propertyNames", "if", "then", "else")
 # Keywords xgrammar (0.2) compiles without enforcing them: an output could break them while the request ends "stop".
-_UNENFORCED = ("contains", "minContains", "maxContains", "not", "dependentRequired", "dependentSchemas")
+_UNENFORCED = ("contains", "minContains", "maxContains", "not", "dependentRequired", "dependentSchemas",
+               "dependencies", "if")
 
 
 def unenforced_keyword(schema: Any, path: str = "#") -> tuple[str, str] | None:  # noqa: ANN401 - any JSON value
@@ -120,7 +124,8 @@ def unenforced_keyword(schema: Any, path: str = "#") -> tuple[str, str] | None: 
         return path, f"'{found}'"
     if schema.get("uniqueItems") is True:
         return path, "'uniqueItems'"
-    if "multipleOf" in schema and schema.get("type") != "integer":
+    types = schema.get("type")
+    if "multipleOf" in schema and "integer" not in (types if isinstance(types, list) else [types]):
         return path, "'multipleOf' on a non-integer"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return path, "'allOf' of several schemas"

@@ -55,6 +55,12 @@ PARENT_DEATH_SIGNAL = signal.SIGUSR2  # no one else sends it (torchrun forwards 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+def stop_signals() -> tuple[int, ...]:
+    """:data:`STOP_SIGNALS` less SIGHUP where this process ignores it (started under ``nohup``: it must outlive
+    the terminal). Call before installing handlers for them."""
+    return tuple(s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN)
+
+
 def set_parent_death_signal(signum: int) -> bool:
     """Ask the kernel to send ``signum`` to this process when its parent exits (Linux); False if unsupported."""
     if not sys.platform.startswith("linux"):

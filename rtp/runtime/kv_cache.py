@@ -101,7 +101,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as e:  # more than the kernel will map (overcommit refused it)
         raise ConfigError(f"the KV cache needs {nbytes / 2**30:.1f} GiB per layer tensor and the kernel refused to "
-                          f"map it ({e.strerror}): lower cpu_kv_cache_gib (--cpu-kv-cache-gib)") from None
+                          f"map it ({e.strerror or e}): lower cpu_kv_cache_gib (--cpu-kv-cache-gib)") from None
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from rtp.config import RtpConfig
 from rtp.core.step import StepKind, StepPlan, encode
 from rtp.distributed.heartbeat import Heartbeat
-from rtp.distributed.liveness import STOP_SIGNALS, Failure, Watchdog, exit_deadline, kill_hung
+from rtp.distributed.liveness import Failure, Watchdog, exit_deadline, kill_hung, stop_signals
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.shm_channel import ShmChannel
 from rtp.distributed.step_relay import StepRelay
@@ -182,7 +182,7 @@ class StepTransport:
             raise _interruption(signum)
 
         if threading.current_thread() is threading.main_thread():
-            for signum in STOP_SIGNALS:
+            for signum in stop_signals():
                 self._old_handlers[signum] = signal.signal(signum, on_signal)
         ps = self.ps
         if (ps.rank if ps.global_rank is None else ps.global_rank) == 0:  # the run's rank 0, not a replica's

@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 from rtp.core.step import StepKind, decode
 from rtp.distributed.heartbeat import Heartbeat
-from rtp.distributed.liveness import Failure, Watchdog, kill_hung
+from rtp.distributed.liveness import Failure, Watchdog, kill_hung, stop_signals
 from rtp.distributed.parallel import ParallelState
 from rtp.distributed.pids import pid_alive
-from rtp.distributed.shm_channel import ShmChannel
+from rtp.distributed.shm_channel import ChannelTimeout, ShmChannel
 from rtp.distributed.shm_segment import cleanup_stale_segments, remove_segment
 from rtp.distributed.step_relay import StepRelay
 from rtp.heap import freeze_startup_heap
@@ -101,14 +101,13 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str | None,
     # On SIGTERM (torchrun forwards it to every rank) keep serving until rank 0's
     # SHUTDOWN arrives, so a clean stop stays clean; the watchdog covers rank 0 dying. On another node than
     # rank 0's, only this node's torchrun may have been signalled: ask rank 0 (through the relays) to stop.
-    def on_sigterm(*_: object) -> None:
+    def on_sigterm(signum: int, frame: object) -> None:
         if ps.node_rank != 0:
             heartbeat.request_stop(ps.node_rank)
-        logger.info("SIGTERM: waiting for rank 0 to shut down")
+        logger.info("%s: waiting for rank 0 to shut down", signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGHUP, on_sigterm)  # torchrun forwards it as it does SIGTERM
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in stop_signals():  # SIGINT (Ctrl-C reaches every rank of a terminal): rank 0's to act on
+        signal.signal(signum, signal.SIG_IGN if signum == signal.SIGINT else on_sigterm)
     try:
         while True:
             data = receive()
@@ -118,7 +117,10 @@ def run_worker(ps: ParallelState, runner: ModelRunner, channel_name: str | None,
             if plan.kind == StepKind.SHUTDOWN:
                 logger.info("rank %d: shutdown", heartbeat.rank)
                 if writer is not None:  # this node's workers may still be attaching (a shutdown right after init)
-                    writer.wait_for_readers(heartbeat.timeout_s)
+                    try:
+                        writer.wait_for_readers(heartbeat.timeout_s)
+                    except ChannelTimeout as e:  # one never came: its own watchdog ends it
+                        logger.warning("%s", e)
                 return
             if plan.kind == StepKind.STEP:
                 step = heartbeat.start_step()

@@ -26,14 +26,16 @@ ToolMode = Literal["none", "auto", "required", "named"]
 
 class ChatOutput:
     def __init__(self, reasoning: bool = False, tool_mode: ToolMode = "none", tool_name: str | None = None,
-                 one_call: bool = False, thinks_first: bool = False) -> None:
+                 one_call: bool = False, thinks_first: bool = False, opened: bool = False) -> None:
         # A forced tool choice's grammar applies after the think block (``thinks_first``: GrammarSpec.after), or
         # from the first token when the prompt closed the block itself: then there is no think block to split.
+        # ``opened``: the prompt opened the block, the output starts inside it.
         self.reasoning = reasoning and (tool_mode not in ("required", "named") or thinks_first)
         self.tool_mode, self.tool_name = tool_mode, tool_name
         self.max_calls = 1 if one_call else None
         self.has_calls = False
-        self._reasoning_stream = ReasoningStream()
+        self._opened = opened
+        self._reasoning_stream = ReasoningStream(opened)
         self._tool_stream = ToolCallStream()
         self._required = RequiredCallStream()
 
@@ -43,7 +45,7 @@ class ChatOutput:
     def message(self, text: str) -> dict[str, Any]:
         """The ``message`` of a finished, non-streamed response."""
         msg: dict[str, Any] = {"role": "assistant"}
-        reasoning, content = split_reasoning(text) if self.reasoning else (None, text)
+        reasoning, content = split_reasoning(text, self._opened) if self.reasoning else (None, text)
         calls: list[ToolCall] = []
         if self.tool_mode == "auto" and content is not None:
             content, calls = parse_tool_calls(content)
@@ -70,6 +72,8 @@ class ChatOutput:
                 out["reasoning"] = out["reasoning_content"] = d.reasoning
             content = d.content
         if self.tool_mode == "named":
+            if not content and not final:  # the call opens with its first argument text, after any reasoning
+                return out
             if not self.has_calls:  # the first chunk names the function (each choice's call its own id)
                 self.has_calls = True
                 out["tool_calls"] = [ToolCall(self.tool_name or "", content).openai(0)]

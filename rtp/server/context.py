@@ -31,7 +31,7 @@ from rtp.runtime.model_info import ModelInfo
 from rtp.sampling import SamplingParams
 from rtp.server import streaming
 from rtp.server.async_engine import RequestStream, ServingEngine
-from rtp.server.chat_output import ToolMode
+from rtp.server.chat_output import ChatOutput, ToolMode
 from rtp.server.http_errors import ClientGone, lone_surrogate, param_of, runtime_error
 from rtp.server.metrics import ServerMetrics
 from rtp.server.protocol import (
@@ -43,7 +43,7 @@ from rtp.server.protocol import (
     resolve_max_tokens,
     unsupported_hint,
 )
-from rtp.server.reasoning import THINK_END, THINK_START
+from rtp.server.reasoning import THINK_END, think_state
 from rtp.server.responses import ResponseBuilder
 from rtp.structured import GrammarCompileError, GrammarCompiler, GrammarSpec, StructuredOutputsUnavailable
 
@@ -110,12 +110,17 @@ class ServerContext:
         after it (vLLM's rule; a thinking model answers after thinking). Not where the prompt's last turn
         closed the think block itself (``enable_thinking: false``): the grammar then applies from the start."""
         think_end = self._think_end_id
-        if spec is None or self.server.reasoning_parser is None or think_end is None:
-            return spec
-        turn = prompt[max(prompt.rfind("<|im_start|>"), 0):]
-        if turn.rfind(THINK_END) > turn.rfind(THINK_START):
+        if spec is None or self.server.reasoning_parser is None or think_end is None or think_state(prompt) == "closed":
             return spec
         return dataclasses.replace(spec, after=think_end)
+
+    def chat_output(self, prompt: str, mode: ToolMode, tool_name: str | None, one_call: bool,
+                    spec: GrammarSpec | None) -> ChatOutput:
+        """How a chat or Responses request's output is split (reasoning, content, tool calls); ``spec`` as
+        :meth:`after_thinking` returned it."""
+        return ChatOutput(reasoning=self.server.reasoning_parser is not None, tool_mode=mode, tool_name=tool_name,
+                          one_call=one_call, thinks_first=spec is not None and spec.after is not None,
+                          opened=think_state(prompt) == "open")
 
     @functools.cached_property
     def _think_end_id(self) -> int | None:

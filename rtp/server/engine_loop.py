@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from rtp.distributed.heartbeat import interval_for
-from rtp.distributed.liveness import STOP_SIGNALS, exit_deadline
+from rtp.distributed.liveness import exit_deadline, stop_signals
 from rtp.errors import RequestError, WorkerDiedError
 from rtp.log import get_logger
 from rtp.outputs import RequestOutput
@@ -127,7 +127,7 @@ class EngineLoop:
         # Several frontends sum their metrics through files; one keeps them in memory (rtp/server/metrics.py).
         metrics_dir = new_metrics_dir() if self.accept_on is None and self.count > 1 else None
         self.runtime.on_failure.append(self._on_runtime_failure)
-        for sig in STOP_SIGNALS:
+        for sig in stop_signals():
             signal.signal(sig, self._on_signal)
         if self.accept_on is None:  # rank 0 (another replica's coordinator stops on its own node's signal)
             self.runtime.transport.watchdog.on_stop_request = self._stop_for_node

@@ -32,7 +32,7 @@ from rtp.server.api import build_app
 from rtp.server.engine_client import EngineClient
 from rtp.server.frontend_wire import FrameReader, Kind, decode_hello
 from rtp.server.router import PrefixRouter, RoundRobinRouter
-from rtp.server.runner import _CANCEL_MARGIN_S, GracefulServer, _ignore_late_signal, route_uvicorn_logs
+from rtp.server.runner import _CANCEL_MARGIN_S, GracefulServer, route_uvicorn_logs, stop_uvicorn_on_signals
 
 logger = get_logger("rtp.server.frontend")  # run as __main__: a name in rtp's logger tree
 
@@ -115,10 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     client.on_dead.append(engine_dead)
     client.on_shutdown.append(shutdown)
-    # uvicorn re-raises the signal it stopped on to the handlers it found: make those inert, so a
-    # graceful stop exits 0 (as in the single-process server).
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _ignore_late_signal)
+    stop_uvicorn_on_signals(server)  # a graceful stop exits 0, as in the single-process server
     freeze_startup_heap(f"API frontend {args.index}")
     try:
         server.run(sockets=[listen])

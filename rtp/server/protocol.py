@@ -108,6 +108,10 @@ class StructuredOutputs(_Strict):
     choice: list[str] | None = Field(default=None, min_length=1)
     grammar: str | None = Field(default=None, description="an EBNF grammar (xgrammar's dialect)")
     json_object: bool | None = Field(default=None, description="any JSON object")
+    # vLLM's backend options that change nothing here (rtp's JSON is compact, and it has one backend): taken.
+    disable_any_whitespace: bool | None = None
+    disable_fallback: bool | None = None
+    whitespace_pattern: str | None = None
 
 
 def _one_error(field: str, code: str, message: str) -> Any:  # noqa: ANN401

@@ -23,15 +23,24 @@ class ReasoningDelta:
     content: str = ""
 
 
-def split_reasoning(text: str) -> tuple[str | None, str | None]:
-    """(reasoning_content, content) of a finished output; None for an empty part."""
-    stripped = text.lstrip()
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str | None]:
+    """(reasoning_content, content) of a finished output; None for an empty part. ``opened``: the prompt ended
+    inside a think block (a template that opens it for the model), so the output starts in it."""
+    stripped = THINK_START + text if opened else text.lstrip()
     if not stripped.startswith(THINK_START):
         return None, text or None
     reasoning, _, content = stripped[len(THINK_START):].partition(THINK_END)
     reasoning = reasoning.strip("\n")
     content = content.lstrip("\n")
     return reasoning or None, content or None
+
+
+def think_state(prompt: str) -> str:
+    """Where the prompt's last turn leaves the think block: "open" (the template opened it for the model),
+    "closed" (Qwen3's enable_thinking false: an empty block) or "none"."""
+    turn = prompt[max(prompt.rfind("<|im_start|>"), 0):]
+    start, end = turn.rfind(THINK_START), turn.rfind(THINK_END)
+    return "open" if start > end else "closed" if end >= 0 else "none"
 
 
 def partial_suffix(text: str, tag: str) -> int:
@@ -49,10 +58,10 @@ class ReasoningStream:
     (inside the block) and "answer" (after it, or there was none).
     """
 
-    def __init__(self) -> None:
-        self.state = "start"
+    def __init__(self, opened: bool = False) -> None:
+        self.state = "thinking" if opened else "start"  # opened: as split_reasoning's
         self._held = ""  # text not yet assigned: possibly part of a tag, or newlines next to one
-        self._skip_newlines = False  # just passed a tag: drop the newlines that follow it
+        self._skip_newlines = opened  # just passed a tag: drop the newlines that follow it
 
     def feed(self, delta: str, final: bool = False) -> ReasoningDelta:
         out = ReasoningDelta()

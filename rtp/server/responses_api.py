@@ -239,9 +239,7 @@ async def create_response(api: ServerContext, request: Request) -> Response:
     num_logprobs = req.num_logprobs()
     stream, ids, rid, params = await api.submit(chat, text, num_logprobs, "resp", "input", constraint,
                                                 "max_output_tokens")
-    output = ChatOutput(reasoning=api.server.reasoning_parser is not None, tool_mode=mode, tool_name=tool_name,
-                        one_call=chat.parallel_tool_calls is False,
-                        thinks_first=spec is not None and spec.after is not None)
+    output = api.chat_output(text, mode, tool_name, chat.parallel_tool_calls is False, spec)
     logprobs = None
     if num_logprobs is not None:
         logprobs = ResponseBuilder("chat.completion", rid, api.model_name, api.tokenizer, len(ids), num_logprobs)

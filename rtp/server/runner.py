@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from rtp.distributed.liveness import stop_signals
 from rtp.errors import ConfigError, RtpError
 from rtp.heap import freeze_startup_heap
 from rtp.log import RtpLogHandler, get_logger
@@ -182,12 +183,7 @@ def run_server(runtime: Runtime, sock: socket.socket | None = None, access_log: 
     runtime.on_failure.append(engine.fail)
     runtime.on_failure.append(engine_died)
     engine.on_dead.append(engine_died)
-    # uvicorn captures SIGTERM/SIGINT while it runs and re-raises them to the previous
-    # handlers once it stopped; make those previous handlers inert so that a graceful
-    # stop ends with exit code 0 instead of the runtime's SystemExit(128 + signum).
-    # They stay replaced afterwards: the shutdown is under way by then.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _ignore_late_signal)
+    stop_uvicorn_on_signals(server)
     logger.info("model %r (max_model_len=%d), API key %s", info.name, info.max_model_len,
                 "required" if server_cfg.api_key else "not required")
     try:
@@ -196,6 +192,15 @@ def run_server(runtime: Runtime, sock: socket.socket | None = None, access_log: 
         sock.close()
         engine.stop()  # normally done by the app's lifespan already; not after a forced exit
     return exit_code
+
+
+def stop_uvicorn_on_signals(server: uvicorn.Server) -> None:
+    """uvicorn captures SIGTERM/SIGINT while it runs and re-raises them to the previous handlers once it
+    stopped: make those inert, so that a graceful stop ends with exit code 0 instead of the runtime's
+    SystemExit(128 + signum) (they stay replaced: the shutdown is under way by then). SIGHUP, which uvicorn
+    does not capture, starts the same graceful stop (unless ignored: nohup)."""
+    for sig in stop_signals():
+        signal.signal(sig, server.handle_exit if sig == signal.SIGHUP else _ignore_late_signal)
 
 
 def _ignore_late_signal(signum: int, frame: Any) -> None:  # noqa: ANN401

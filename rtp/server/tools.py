@@ -210,7 +210,10 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[
     for t in tools:
         params = dict(parameters_schema(function_of(t)))
         for key in _DEFS:
-            for name, schema in (params.pop(key, None) or {}).items():
+            found = params.pop(key, None) or {}
+            if not isinstance(found, dict):
+                raise ValueError(f"tool {function_of(t).get('name')!r}: parameters.{key} must be an object")
+            for name, schema in found.items():
                 if defs[key].setdefault(name, schema) != schema:
                     raise ValueError(f"tools define {key}/{name} differently: rename one of them")
         variants.append({"type": "object",

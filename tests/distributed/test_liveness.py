@@ -288,3 +288,20 @@ def test_a_rank_that_never_joins_is_named(tmp_path):
     for rank in (0, 1):
         message = (tmp_path / f"error{rank}").read_text()
         assert message.startswith("rank 2 did not join the process group within 3 s"), message
+
+
+def test_sighup_stops_a_run_unless_ignored_under_nohup():
+    """torchrun forwards SIGHUP (a closed terminal) as it does SIGTERM: a stop signal, except in a process started
+    under nohup, which must outlive the terminal."""
+    import signal
+
+    from rtp.distributed.liveness import PARENT_DEATH_SIGNAL, stop_signals
+
+    assert PARENT_DEATH_SIGNAL not in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
+    old = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        assert signal.SIGHUP in stop_signals()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        assert stop_signals() == (signal.SIGTERM, signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGHUP, old)

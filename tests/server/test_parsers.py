@@ -12,7 +12,7 @@ import random
 import pytest
 
 from rtp.server.chat_output import ChatOutput
-from rtp.server.reasoning import ReasoningStream, split_reasoning
+from rtp.server.reasoning import ReasoningStream, split_reasoning, think_state
 from rtp.server.tools import RequiredCallStream, ToolCallStream, parse_required, parse_tool_calls, required_schema
 
 REASONING_CASES = [
@@ -45,6 +45,21 @@ def test_reasoning_split_and_its_stream_agree(text, reasoning, content):
             d = stream.feed(piece, final=i == len(pieces) - 1)
             got_r, got_c = got_r + d.reasoning, got_c + d.content
         assert (got_r or None, got_c or None) == (reasoning, content), pieces
+
+
+@pytest.mark.parametrize("text,reasoning,content", [("\nplan\n</think>\n\nanswer", "plan", "answer"),
+                                                    ("cut off", "cut off", None), ("</think>x", None, "x")])
+def test_an_output_that_starts_inside_a_think_block_the_prompt_opened(text, reasoning, content):
+    """A template that opens the block for the model (Qwen3's thinking-only models): the output is reasoning until
+    its </think>; split whole and streamed alike."""
+    assert split_reasoning(text, opened=True) == (reasoning, content)
+    for cut in range(len(text) + 1):
+        stream = ReasoningStream(opened=True)
+        a, b = stream.feed(text[:cut]), stream.feed(text[cut:], final=True)
+        assert ((a.reasoning + b.reasoning) or None, (a.content + b.content) or None) == (reasoning, content), cut
+    assert think_state("<|im_start|>assistant\n<think>\n") == "open"
+    assert think_state("<|im_start|>assistant\n<think>\n\n</think>\n\n") == "closed"
+    assert think_state("<think>a</think>b<|im_start|>user\nq<|im_start|>assistant\n") == "none"  # an earlier turn's
 
 
 def test_reasoning_stream_holds_back_a_split_tag():
@@ -134,6 +149,9 @@ def test_required_schema_moves_each_tools_definitions_to_its_root_and_can_allow_
     clash = {"type": "function", "function": {"name": "c", "parameters": {"$defs": {"Place": {"type": "string"}}}}}
     with pytest.raises(ValueError, match="Place"):
         required_schema([*tools, clash])
+    bad = {"type": "function", "function": {"name": "d", "parameters": {"$defs": [1]}}}
+    with pytest.raises(ValueError, match=r"parameters\.\$defs must be an object"):  # was an AttributeError: a 500
+        required_schema([bad])
 
 
 def test_one_call_keeps_the_first_auto_call_and_named_choices_get_their_own_ids():

@@ -167,6 +167,10 @@ UNENFORCED = [
     ({"type": "number", "multipleOf": 0.5}, 0.3),
     ({"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]}, 9),
     ({"type": "string", "pattern": "a+", "minLength": 3}, "a"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "if": {"required": ["a"]}, "then": {"required": ["b"]}}, {"a": 1}),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",  # draft 7's dependentRequired
+      "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "dependencies": {"a": ["b"]}}, {"a": 1}),
 ]
 
 
@@ -191,6 +195,12 @@ def test_schema_keywords_the_grammar_would_ignore_are_refused(tokenizer, schema,
     assert unenforced_keyword({"type": "object", "properties": {"not": {"enum": [{"uniqueItems": True}]}},
                                "allOf": [{"type": "object"}]}) is None
     assert unenforced_keyword({"type": "integer", "multipleOf": 3}) is None  # integers: enforced
+    assert unenforced_keyword({"type": ["integer", "null"], "multipleOf": 3}) is None
+    deep: dict = {"type": "integer"}
+    for _ in range(2000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(GrammarCompileError, match="nests too deeply"):  # a RecursionError: a 500
+        GrammarSpec.json_schema(deep, "guided_json")
 
 
 # ---- the chat template of the tiny model ----
@@ -309,6 +319,20 @@ def test_with_a_reasoning_parser_grammars_apply_after_the_think_block(tokenizer)
                 msg = r.json()["choices"][0]["message"]
                 reasoning, args = msg["reasoning"], msg["tool_calls"][0]["function"]["arguments"]
             assert reasoning.strip() == "which x" and json.loads(args) == {"x": 1}, r.text
+            if stream:  # the call opens with its arguments, after the reasoning
+                kinds = ["r" if d.get("reasoning") else "t" for d in deltas
+                         if d.get("reasoning") or d.get("tool_calls")]
+                assert kinds == sorted(kinds) and "r" in kinds, kinds
+        # The Responses API streams the same as a reasoning item, then the function call (a KeyError before).
+        fn = {"type": "function", "name": "f", "parameters": TOOL["function"]["parameters"]}
+        r = client.post("/v1/responses", json={"input": "hi", "tools": [fn], "stream": True,
+                                               "tool_choice": {"type": "function", "name": "f"},
+                                               "max_output_tokens": len(engine.pattern)})
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+        assert events[-1]["type"] == "response.incomplete", events[-1]  # the fake ends at max_output_tokens
+        assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "function_call"]
+        assert len(done) == 1 and json.loads(done[0]["arguments"]) == {"x": 1}
         r = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}})
         assert engine.added[-1][1].constraint().allowed_tokens(VOCAB) is not None  # from the first token
         r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "guided_regex": "[0-9]+"})

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from rtp.server.chat_output import ChatOutput
 from rtp.server.context import ServerContext
 from rtp.server.http_errors import guard
 from rtp.server.prompt_batch import batch_completions
@@ -72,9 +71,7 @@ class GenerationRoutes:
         stream, ids, rid, _ = await ctx.submit(req, text, req.num_logprobs(), "chatcmpl", "messages", constraint)
         output = None
         if ctx.server.reasoning_parser is not None or mode != "none":
-            output = ChatOutput(reasoning=ctx.server.reasoning_parser is not None, tool_mode=mode,
-                                tool_name=tool_name, one_call=req.parallel_tool_calls is False,
-                                thinks_first=spec is not None and spec.after is not None)
+            output = ctx.chat_output(text, mode, tool_name, req.parallel_tool_calls is False, spec)
         build = ResponseBuilder("chat.completion", rid, ctx.model_name, ctx.tokenizer, len(ids),
                                 req.num_logprobs(), output)
         build.prompt_logprobs = req.prompt_logprobs
