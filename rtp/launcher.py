@@ -52,10 +52,11 @@ def plan_launch(module: str, args: argparse.Namespace) -> Launch:
     the shutdown timeout."""
     from rtp.config import check_combinations, checkpoint_dir
     from rtp.entrypoints.flags import ENGINE_FLAGS, SERVER_FLAGS, load_config_from_args
+    from rtp.model.split import check_checkpoint_split
 
     flags = ENGINE_FLAGS + (SERVER_FLAGS if module == COMMANDS["serve"] else ())
     config = load_config_from_args(args, flags)
-    checkpoint_dir(config)  # a folder without a checkpoint fails here, not in every rank
+    model_dir = checkpoint_dir(config)  # a folder without a checkpoint fails here, not in every rank
     nproc, tp = args.nproc_per_node, args.parallel__tensor_parallel_size
     pp, dp = config.parallel.pipeline_parallel_size, config.parallel.data_parallel_size
     check_combinations(config)  # so at most one of pp and dp is above 1
@@ -78,6 +79,7 @@ def plan_launch(module: str, args: argparse.Namespace) -> Launch:
         raise RtpError("--data-parallel-size > 1 needs API frontend processes: --api-server-count >= 1, not 0")
     if nproc < 1:
         raise RtpError(f"--nproc-per-node must be >= 1, got {nproc}")
+    check_checkpoint_split(model_dir, nproc // split)  # heads the TP size does not divide: here, not ~9 s later
     serving = module == COMMANDS["serve"]
     return Launch(nproc, math.ceil(config.server.shutdown_grace_s) + _TEARDOWN_S if serving else _TEARDOWN_S)
 

@@ -38,18 +38,9 @@ from rtp.kernels import cpu_gemm
 from rtp.kernels.cpu_features import cpu_flags, native_bf16
 from rtp.log import get_logger
 from rtp.model.ops import silu_and_mul
+from rtp.model.split import divide
 
 logger = get_logger(__name__)
-
-
-def divide(numerator: int, denominator: int, what: str) -> int:
-    """Exact division, or a ModelShapeError naming the numbers."""
-    if numerator % denominator != 0:
-        raise ModelShapeError(
-            f"{what}={numerator} is not divisible by the tensor-parallel size {denominator}; "
-            f"choose a TP size that divides {numerator}"
-        )
-    return numerator // denominator
 
 
 _LOADER_ATTR = "weight_loader"  # read back by rtp.model.loader with getattr

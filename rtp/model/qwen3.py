@@ -26,6 +26,7 @@ from rtp.model.linear import (
 from rtp.model.moe import FusedMoE
 from rtp.model.ops import RMSNorm, RotaryEmbedding, qk_norm_rope, rope_inv_freq, rope_parameters
 from rtp.model.quant import QuantFormat, QuantLinearMethod
+from rtp.model.split import check_attention_split
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -98,15 +99,7 @@ class Qwen3Spec:
 
     def check_attention_tp(self, tp: int) -> None:
         """The attention part of :meth:`check_tp` (query heads and KV heads)."""
-        divide(self.num_heads, tp, "num_attention_heads")
-        kv = self.num_kv_heads
-        if self.num_heads % kv:
-            raise ModelShapeError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={kv}")
-        if kv % tp and tp % kv:
-            raise ModelShapeError(
-                f"num_key_value_heads={kv} and tensor-parallel size {tp}: one must divide the other "
-                f"(KV heads are split when tp <= {kv} and replicated when tp is a multiple of {kv})"
-            )
+        check_attention_split(self.num_heads, self.num_kv_heads, tp)
 
 
 def _stretched_context(cfg) -> int | None:  # noqa: ANN001 - a transformers PretrainedConfig

@@ -183,3 +183,21 @@ def test_prompts_file_lines_are_checked_with_the_values_the_run_uses(tmp_path):
     path.write_text('{"prompt": "b", "logit_bias": {"x": 3}}\n')  # JSON keys that are no token id stay refused
     with pytest.raises(RtpError, match=r"in\.jsonl:1: .*logit_bias"):
         read_requests(str(path))
+
+
+def test_a_tp_size_that_does_not_split_the_heads_fails_before_any_rank_starts(tmp_path):
+    from rtp.errors import ModelShapeError
+    from rtp.launcher import plan_launch
+    from rtp.testing import TinyQwen3Spec, make_tiny_qwen3
+
+    model = make_tiny_qwen3(tmp_path / "m", TinyQwen3Spec(num_attention_heads=4, num_key_value_heads=2))
+    for argv, nproc, words in ((["-tp", "3"], None, "num_attention_heads=4"),
+                               (["-tp", "4"], None, None),  # KV heads replicated: fine
+                               (["-pp", "2", "--pipeline-layer-partition", "1,1"], 6, "num_attention_heads=4")):
+        args = serve.parse_args(["--model", str(model), *argv])
+        args.nproc_per_node = nproc
+        if words is None:
+            plan_launch("rtp.entrypoints.serve", args)
+            continue
+        with pytest.raises(ModelShapeError, match=words):  # the ranks said so ~9 s later, after loading torch
+            plan_launch("rtp.entrypoints.serve", args)
