@@ -126,7 +126,11 @@ class TwoNodes:
         self.rank_pids.update(rank_pids(self.procs[0].pid))
 
     def wait(self, node: int, timeout: float) -> int:
-        rc = self.procs[node].wait(timeout=timeout)
+        try:
+            rc = self.procs[node].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # what each node said, not only the command that hung
+            pytest.fail(f"node {node} did not exit within {timeout} s\nnode 0:\n{self.output[0][-3000:]}\n"
+                        f"node 1:\n{self.output[1][-3000:]}")
         self._readers[node].join(10)
         return rc
 
