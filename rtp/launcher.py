@@ -57,18 +57,17 @@ def plan_launch(module: str, args: argparse.Namespace) -> Launch:
     flags = ENGINE_FLAGS + (SERVER_FLAGS if module == COMMANDS["serve"] else ())
     config = load_config_from_args(args, flags)
     model_dir = checkpoint_dir(config)  # a folder without a checkpoint fails here, not in every rank
-    nproc, tp = args.nproc_per_node, args.parallel__tensor_parallel_size
+    nproc, tp = args.nproc_per_node, config.parallel.tensor_parallel_size  # the flag's, else the YAML's
+    given = args.parallel__tensor_parallel_size is not None
+    tp_source = "--tensor-parallel-size" if given else "the config's tensor_parallel_size"
     pp, dp = config.parallel.pipeline_parallel_size, config.parallel.data_parallel_size
     check_combinations(config)  # so at most one of pp and dp is above 1
     split, split_flag = pp * dp, "--pipeline-parallel-size" if pp > 1 else "--data-parallel-size"
-    tp_source = "--tensor-parallel-size"
-    if tp is None and config.parallel.tensor_parallel_size is not None:
-        tp, tp_source = config.parallel.tensor_parallel_size, "the config's tensor_parallel_size"
     if nproc is not None and tp is not None and nproc != tp * split:
         times = f" x {split_flag} {split}" if split > 1 else ""
         raise RtpError(f"--nproc-per-node {nproc} and {tp_source} {tp}{times} disagree: give one of them")
     if nproc is None:
-        nproc = (config.parallel.tensor_parallel_size or 1) * split
+        nproc = (tp or 1) * split
     if nproc % split:
         raise RtpError(f"--nproc-per-node {nproc} is not a multiple of {split_flag} {split}")
     local = config.parallel.data_parallel_size_local

@@ -163,7 +163,7 @@ class GrammarConstraint:
         self.rejected = 0  # tokens the grammar did not accept (a mask that could not be honoured)
         self._after = after  # GrammarSpec.after
         self._waiting = after is not None  # free output until the ``after`` token
-        self._free = self._matched = 0  # tokens accepted before the grammar applied, and since (for rollback)
+        self._matched = 0  # tokens the matcher accepted (a rollback past them returns to free output)
 
     def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
         """The packed bitmask of the tokens the grammar allows next, or None when it allows all."""
@@ -177,7 +177,6 @@ class GrammarConstraint:
 
     def accept(self, token_id: int) -> None:
         if self._waiting:
-            self._free += 1
             self._waiting = token_id != self._after
             return
         if self.matcher.is_terminated():
@@ -197,7 +196,6 @@ class GrammarConstraint:
             self.matcher.rollback(matched)
             self._matched -= matched
         if num_tokens > matched:  # back before the ``after`` token (the last free one): free output again
-            self._free -= num_tokens - matched
             self._waiting = True
 
 

@@ -74,11 +74,12 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
     if list(param.shape) != list(value.shape):
         raise CheckpointError(f"slice of shape {list(value.shape)} does not fit parameter {list(param.shape)}")
-    if param.dtype in _FLOATS and value.dtype not in _FLOATS and not _MULTIPLY.get():
+    multiplying = _MULTIPLY.get()
+    if param.dtype in _FLOATS and value.dtype not in _FLOATS and not multiplying:
         # A float parameter takes a float tensor (a quantized format's tensors come through its views, checked
         # there): an int8 norm or an FP8 embedding would be cast silently.
         raise CheckpointError(f"has dtype {value.dtype}, expected a floating-point tensor (bf16, fp16 or fp32)")
-    if not _MULTIPLY.get():
+    if not multiplying:
         param.data.copy_(value)
     elif value.dtype.itemsize == 1:  # an fp8 factor: exact in the parameter's dtype (no fp8 type promotion)
         param.data.mul_(value.to(param.device, param.dtype))  # read on the CPU; mul_, unlike copy_, needs one device

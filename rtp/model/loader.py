@@ -92,8 +92,9 @@ def tensor_bytes(path: Path) -> dict[str, int]:
         end = 8 + n + max((int(e["data_offsets"][1]) for e in entries.values()), default=0)
     except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-    if path.stat().st_size < end:  # the header reads, the tensors do not: a copy cut short
-        raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, its header describes {end})")
+    size = path.stat().st_size
+    if size < end:  # the header reads, the tensors do not: a copy cut short
+        raise CheckpointError(f"{path}: truncated ({size} bytes, its header describes {end})")
     return sizes
 
 
@@ -126,8 +127,9 @@ def load_weights(model: Qwen3ForCausalLM, model_dir: str | Path, *, show_progres
         for path in files:
             _load_file(model, path, sizes[path], params, expected, seen, report, bar, on_progress)
     report.seconds = time.perf_counter() - start
-    report.kv_scales = len(seen.keys() & optional.keys())
-    for name in sorted(seen.keys() & optional.keys()):  # a layer's KV scales come as a pair
+    kv_scales = seen.keys() & optional.keys()
+    report.kv_scales = len(kv_scales)
+    for name in sorted(kv_scales):  # a layer's KV scales come as a pair
         pair = name[:-7] + ("v_scale" if name.endswith("k_scale") else "k_scale")
         if pair not in seen:
             raise CheckpointError(f"checkpoint {model_dir} holds {name} but not {pair}: give both KV scales or none")
